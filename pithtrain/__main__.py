@@ -1,0 +1,5 @@
+import sys
+
+from pithtrain.cli import main
+
+sys.exit(main())

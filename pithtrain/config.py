@@ -1,0 +1,277 @@
+"""Run configuration: dataclasses loaded from TOML, `section.key=value` overrides, strict checks.
+
+A run config has one TOML table per dataclass below. The `[model]` table is special: its `config`
+key names a Hugging Face `config.json` (relative to the TOML file), and every other key overrides a
+field of that JSON (`model.num_hidden_layers=2`). Anything unknown, mistyped or contradictory raises
+`ConfigError` with the key and what would be valid, before any model or data is touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args, get_origin
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the key and what to change."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
+    threads: int = 0  # torch intra-op threads on CPU; 0 leaves torch's default
+
+
+@dataclass
+class DataConfig:
+    corpus: str = ""  # directory written by `pithtrain build-corpus`
+    seq_len: int = 256
+    micro_batch_size: int = 4  # sequences per forward/backward
+    global_batch_size: int = 8  # sequences per optimizer step (micro_batch_size * accumulation)
+    val_every: int = 50  # validation every N steps (0: only at the end)
+    val_batches: int = 4
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    min_lr: float = 3e-5  # floor the decay ends at (cosine and linear)
+    warmup_steps: int = 10
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    weight_decay: float = 0.1  # applied to matrices only (not norms, biases, router bias)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # global grad-norm clip; 0 disables
+
+
+@dataclass
+class MoEConfig:
+    aux_loss: Literal["none", "global_batch", "micro_batch", "sequence"] = "global_batch"
+    aux_loss_coef: float = 1e-3
+    z_loss_coef: float = 0.0
+    aux_free: bool = False  # DeepSeek-V3 auxiliary-loss-free balancing with a per-expert bias
+    aux_free_rate: float = 1e-3  # bias update speed (gamma)
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = ""  # default: <run_dir>/checkpoints
+    every: int = 0  # save every N steps (0: only at the end)
+    keep: int = 2  # keep the newest K complete checkpoints
+    resume: str = "none"  # "none", "auto" (newest complete checkpoint) or a checkpoint path
+    save_final: bool = True
+
+
+@dataclass
+class LogConfig:
+    run_dir: str = "runs/run"
+    every: int = 1
+    progress: bool = True
+    plot: bool = True
+    tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str = "pithtrain"
+
+
+@dataclass
+class ModelConfig:
+    config: str = ""  # path of the Hugging Face config.json
+    hf: dict = field(default_factory=dict)  # the resolved HF fields, overrides applied
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or os.path.join(self.log.run_dir, "checkpoints")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = [f.name for f in dataclasses.fields(RunConfig)]
+_PATH_KEYS = {("model", "config"), ("data", "corpus"), ("log", "run_dir"), ("checkpoint", "dir")}
+
+
+def parse_value(text: str) -> Any:
+    """A command-line value as TOML (`3`, `1e-3`, `true`, `[1, 2]`, `"x"`), else the plain string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _check_type(key: str, value: Any, annotation: Any) -> Any:
+    """Return `value` as the annotated type, or raise ConfigError naming the key."""
+    if isinstance(annotation, str):
+        annotation = eval(annotation, vars(typing))  # postponed annotations of this module
+    if get_origin(annotation) is Literal:
+        choices = get_args(annotation)
+        if value not in choices:
+            raise ConfigError(f"{key} = {value!r} is not valid; choose one of {list(choices)}")
+        return value
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if annotation is bool and not isinstance(value, bool):
+        raise ConfigError(f"{key} = {value!r} must be true or false")
+    if annotation in (int, float, str) and (not isinstance(value, annotation) or isinstance(value, bool)):
+        raise ConfigError(f"{key} = {value!r} must be of type {annotation.__name__}")
+    return value
+
+
+def _hf_override(key: str, base: dict, value: Any) -> Any:
+    if key not in base:
+        raise ConfigError(
+            f"model.{key} is not a field of the model's config.json; valid fields: {sorted(base)}"
+        )
+    old = base[key]
+    if old is None or value is None:
+        return value
+    if isinstance(old, float) and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if type(old) is not type(value):
+        raise ConfigError(
+            f"model.{key} = {value!r} has type {type(value).__name__}, config.json has "
+            f"{type(old).__name__} ({old!r})"
+        )
+    return value
+
+
+def load_config(path: str | None, overrides: list[str] = (), base: dict | None = None) -> RunConfig:
+    """Load a TOML run config (or start from `base`, a dict of the same shape) and apply overrides.
+
+    Relative paths inside the TOML are resolved against the TOML's directory; relative paths given
+    as overrides are taken from the current directory.
+    """
+    raw: dict = {}
+    root = os.getcwd()
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                raw = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path} is not valid TOML: {e}") from None
+        root = os.path.dirname(os.path.abspath(path))
+    if base:
+        raw = {**{k: dict(v) for k, v in base.items()}, **raw}
+    for section, table in raw.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown section [{section}]; valid sections: {SECTIONS}")
+        if not isinstance(table, dict):
+            raise ConfigError(f"[{section}] must be a table of key = value pairs")
+        for key in table:
+            if (section, key) in _PATH_KEYS and isinstance(table[key], str) and table[key]:
+                table[key] = os.path.join(root, os.path.expanduser(table[key]))
+
+    for item in overrides:
+        name, eq, text = item.partition("=")
+        section, dot, key = name.partition(".")
+        if not eq or not dot or not key:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown section in override {item!r}; valid sections: {SECTIONS}")
+        value = parse_value(text)
+        if (section, key) in _PATH_KEYS and isinstance(value, str):
+            value = os.path.abspath(os.path.expanduser(value))
+        raw.setdefault(section, {})[key] = value
+    return build_config(raw)
+
+
+def build_config(raw: dict) -> RunConfig:
+    """Turn a {section: {key: value}} dict into a checked RunConfig."""
+    cfg = RunConfig()
+    for section, table in raw.items():
+        if section == "model":
+            continue
+        target = getattr(cfg, section)
+        fields = {f.name: f for f in dataclasses.fields(target)}
+        for key, value in table.items():
+            if key not in fields:
+                raise ConfigError(f"unknown key {section}.{key}; valid keys of [{section}]: {sorted(fields)}")
+            setattr(target, key, _check_type(f"{section}.{key}", value, fields[key].type))
+
+    model = dict(raw.get("model", {}))
+    cfg.model.config = model.pop("config", "")
+    if not cfg.model.config:
+        raise ConfigError("model.config is missing: name the Hugging Face config.json of the model")
+    try:
+        with open(cfg.model.config) as f:
+            hf = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"model.config: {cfg.model.config} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"model.config: {cfg.model.config} is not valid JSON: {e}") from None
+    hf.pop("hf", None)
+    for key, value in model.items():
+        hf[key] = _hf_override(key, hf, value)
+    cfg.model.hf = hf
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: RunConfig) -> None:
+    """Checks across keys; each error names the keys involved and a value that would work."""
+    d, o, t = cfg.data, cfg.optim, cfg.train
+    for key, value in [("train.steps", t.steps), ("data.seq_len", d.seq_len),
+                       ("data.micro_batch_size", d.micro_batch_size),
+                       ("data.global_batch_size", d.global_batch_size), ("log.every", cfg.log.every),
+                       ("data.val_batches", d.val_batches), ("checkpoint.keep", cfg.checkpoint.keep)]:
+        if value < 1:
+            raise ConfigError(f"{key} = {value} must be at least 1")
+    for key, value in [("data.val_every", d.val_every), ("checkpoint.every", cfg.checkpoint.every),
+                       ("optim.warmup_steps", o.warmup_steps), ("optim.grad_clip", o.grad_clip),
+                       ("optim.weight_decay", o.weight_decay), ("moe.aux_loss_coef", cfg.moe.aux_loss_coef),
+                       ("moe.z_loss_coef", cfg.moe.z_loss_coef), ("train.threads", t.threads)]:
+        if value < 0:
+            raise ConfigError(f"{key} = {value} must not be negative")
+    if d.global_batch_size % d.micro_batch_size:
+        raise ConfigError(
+            f"data.global_batch_size = {d.global_batch_size} is not a multiple of "
+            f"data.micro_batch_size = {d.micro_batch_size}"
+        )
+    if o.warmup_steps > t.steps:
+        raise ConfigError(f"optim.warmup_steps = {o.warmup_steps} exceeds train.steps = {t.steps}")
+    if not 0 < o.lr or not 0 <= o.min_lr <= o.lr:
+        raise ConfigError(f"need 0 <= optim.min_lr <= optim.lr and lr > 0 (got lr={o.lr}, min_lr={o.min_lr})")
+    if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1) or o.eps <= 0:
+        raise ConfigError("optim.beta1 and optim.beta2 must lie in [0, 1) and optim.eps must be > 0")
+    res = cfg.checkpoint.resume
+    if res not in ("none", "auto") and not os.path.isdir(res):
+        raise ConfigError(f"checkpoint.resume = {res!r}: use 'none', 'auto' or an existing checkpoint directory")
+    hf = cfg.model.hf
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        if key in hf and (not isinstance(hf[key], int) or hf[key] < 1):
+            raise ConfigError(f"model.{key} = {hf[key]!r} must be a positive integer")
+    if "num_key_value_heads" in hf and hf["num_attention_heads"] % hf["num_key_value_heads"]:
+        raise ConfigError(
+            f"model.num_attention_heads = {hf['num_attention_heads']} is not a multiple of "
+            f"model.num_key_value_heads = {hf['num_key_value_heads']}"
+        )
+    if "num_experts" in hf and hf["num_experts"] and hf.get("num_experts_per_tok", 1) > hf["num_experts"]:
+        raise ConfigError(
+            f"model.num_experts_per_tok = {hf['num_experts_per_tok']} exceeds model.num_experts = "
+            f"{hf['num_experts']}"
+        )
+    if d.seq_len > hf.get("max_position_embeddings", d.seq_len):
+        raise ConfigError(
+            f"data.seq_len = {d.seq_len} exceeds model.max_position_embeddings = {hf['max_position_embeddings']}"
+        )

@@ -1,0 +1,174 @@
+"""The decoder layer as five stages, the causal-LM skeleton every model shares, and weight init.
+
+Stages of a decoder layer (the protocol the overlapped pipeline schedule drives):
+  1. attention  norm, attention, residual, post-norm, router top-k, shared experts / dense MLP,
+                permutation into expert order
+  2. dispatch   routed rows to the expert-parallel ranks (local on one rank)
+  3. experts    grouped GEMMs and activation on the received rows
+  4. combine    expert outputs back to the ranks that sent them (local on one rank)
+  5. aggregate  weighted sum over each token's experts, residual
+Dense layers do their MLP in stage 1; stages 2-4 pass through. `DecoderLayer.forward` runs the
+five in order, so the plain forward and an overlapped schedule compute the same thing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pithtrain.layers.moe import GroupedExperts, MoEBlock, RoutePlan
+from pithtrain.layers.norm import RMSNorm
+from pithtrain.layers.rope import RotaryEmbedding
+
+
+@dataclass
+class ForwardContext:
+    """Per-micro-batch inputs every layer sees."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    aux_weight: float = 0.0  # share of the step's tokens in this micro-batch; 0: no balancing loss
+
+
+@dataclass
+class LayerState:
+    """What one stage hands to the next."""
+
+    residual: torch.Tensor  # hidden state after the attention residual
+    partial: torch.Tensor | None = None  # dense MLP or shared-expert output
+    rows: torch.Tensor | None = None  # routed rows, in the current stage's layout
+    plan: RoutePlan | None = None
+
+
+class DecoderLayer(nn.Module):
+    STAGES = ("attention", "dispatch", "experts", "combine", "aggregate")
+
+    def __init__(self, attn: nn.Module, mlp: nn.Module, hidden: int, eps: float):
+        super().__init__()
+        self.self_attn = attn
+        self.mlp = mlp  # MoEBlock or a dense MLP
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.is_moe = isinstance(mlp, MoEBlock)
+
+    def stage_attention(self, x: torch.Tensor, ctx: ForwardContext) -> LayerState:
+        h = x + self.self_attn(self.input_layernorm(x), ctx.cos, ctx.sin)
+        y = self.post_attention_layernorm(h)
+        if not self.is_moe:
+            return LayerState(h, self.mlp(y))
+        shared = self.mlp.shared_experts(y) if self.mlp.shared_experts is not None else None
+        rows, plan = self.mlp.route(y, ctx.aux_weight)
+        return LayerState(h, shared, rows, plan)
+
+    def stage_dispatch(self, s: LayerState) -> LayerState:
+        if self.is_moe:
+            s.rows = self.mlp.dispatch(s.rows, s.plan)
+        return s
+
+    def stage_experts(self, s: LayerState) -> LayerState:
+        if self.is_moe:
+            s.rows = self.mlp.compute(s.rows, s.plan)
+        return s
+
+    def stage_combine(self, s: LayerState) -> LayerState:
+        if self.is_moe:
+            s.rows = self.mlp.combine(s.rows, s.plan)
+        return s
+
+    def stage_aggregate(self, s: LayerState) -> torch.Tensor:
+        out = s.residual if s.partial is None else s.residual + s.partial
+        if self.is_moe:
+            out = out + self.mlp.aggregate(s.rows, s.plan)
+        return out
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        s = self.stage_attention(x, ctx)
+        s = self.stage_combine(self.stage_experts(self.stage_dispatch(s)))
+        return self.stage_aggregate(s)
+
+
+class Backbone(nn.Module):
+    """Embedding, decoder layers (keyed by global layer index) and final norm: HF's `model.*`."""
+
+    def __init__(self, vocab: int, hidden: int, layers: dict[int, DecoderLayer], eps: float):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleDict({str(i): layer for i, layer in layers.items()})
+        self.norm = RMSNorm(hidden, eps)
+
+
+class CausalLM(nn.Module):
+    """A decoder-only LM with Hugging Face parameter names (`model.layers.N...`, `lm_head`)."""
+
+    def __init__(self, vocab: int, hidden: int, layers: dict[int, DecoderLayer], rope: RotaryEmbedding,
+                 *, eps: float, tie_embeddings: bool, init_std: float):
+        super().__init__()
+        self.vocab, self.init_std = vocab, init_std
+        self.model = Backbone(vocab, hidden, layers, eps)
+        self.rotary_emb = rope
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        if tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def moe_blocks(self) -> list[MoEBlock]:
+        return [m for m in self.modules() if isinstance(m, MoEBlock)]
+
+    def context(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, aux_weight: float,
+                dtype: torch.dtype) -> ForwardContext:
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        cos, sin = self.rotary_emb(position_ids, dtype)
+        return ForwardContext(cos, sin, aux_weight)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, aux_weight: float = 0.0) -> torch.Tensor:
+        """Logits [B, S, V], or with `labels` the summed cross-entropy over labels != -100."""
+        h = self.model.embed_tokens(input_ids)
+        dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
+        ctx = self.context(input_ids, position_ids, aux_weight, dtype)
+        for layer in self.model.layers.values():
+            h = layer(h, ctx)
+        logits = self.lm_head(self.model.norm(h))
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+
+
+def _seed(seed: int, name: str, expert: int | None = None) -> int:
+    key = f"{seed}/{name}" if expert is None else f"{seed}/{name}/expert{expert}"
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+@torch.no_grad()
+def init_weights(model: CausalLM, seed: int) -> None:
+    """Initialise every parameter from (seed, global parameter name[, global expert id]) alone.
+
+    Matrices and embeddings ~ N(0, init_std), norm weights 1, biases 0, aux-free router bias 0. A layout
+    that holds only some layers or experts draws exactly the numbers the full model would.
+    """
+    owners = {}
+    for mname, module in model.named_modules():
+        for pname, _ in module.named_parameters(recurse=False):
+            owners[f"{mname}.{pname}" if mname else pname] = module
+    for name, param in model.named_parameters():
+        if param.device.type == "meta":
+            continue
+        module = owners[name]
+        if isinstance(module, RMSNorm):
+            param.fill_(1.0)
+        elif name.endswith("bias"):
+            param.zero_()
+        elif isinstance(module, GroupedExperts):
+            for e in range(param.shape[0]):
+                gen = torch.Generator(param.device).manual_seed(_seed(seed, name, module.first_expert + e))
+                param[e].normal_(0.0, model.init_std, generator=gen)
+        else:
+            gen = torch.Generator(param.device).manual_seed(_seed(seed, name))
+            param.normal_(0.0, model.init_std, generator=gen)
+    for block in model.moe_blocks():
+        if block.gate.e_score_correction_bias is not None:
+            block.gate.e_score_correction_bias.zero_()

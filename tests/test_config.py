@@ -1,0 +1,67 @@
+import json
+import os
+
+import pytest
+
+from pithtrain.config import ConfigError, load_config
+
+HF = {"model_type": "qwen3_moe", "vocab_size": 128, "hidden_size": 32, "num_attention_heads": 4,
+      "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 512,
+      "rope_theta": 10000.0}
+
+
+@pytest.fixture
+def toml(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(HF))
+
+    def write(body: str = "") -> str:
+        p = tmp_path / "run.toml"
+        p.write_text('[model]\nconfig = "config.json"\n' + body)
+        return str(p)
+
+    return write
+
+
+def test_load_and_override(toml):
+    cfg = load_config(toml("[optim]\nlr = 1e-3\n[data]\nseq_len = 64\n"),
+                      ["optim.lr=2e-3", "model.num_experts=8", "train.steps=70", "log.run_dir=somewhere"])
+    assert cfg.optim.lr == 2e-3 and cfg.data.seq_len == 64 and cfg.train.steps == 70
+    assert cfg.model.hf["num_experts"] == 8 and cfg.model.hf["hidden_size"] == 32
+    assert os.path.isabs(cfg.model.config) and cfg.log.run_dir == os.path.abspath("somewhere")
+
+
+def test_float_field_accepts_int(toml):
+    assert load_config(toml("[optim]\nlr = 1\nmin_lr = 0\n")).optim.lr == 1.0
+
+
+@pytest.mark.parametrize("body, overrides, message", [
+    ("[optim]\nlearning_rate = 1e-3\n", [], "unknown key optim.learning_rate"),
+    ("", ["optim.lrr=1"], "valid keys of [optim]"),
+    ("[trainer]\nsteps = 1\n", [], "unknown section [trainer]"),
+    ("", ["data.seq_len=long"], "data.seq_len = 'long' must be of type int"),
+    ("", ["optim.decay=exp"], "choose one of ['cosine', 'linear', 'constant']"),
+    ("", ["log.plot=1"], "must be true or false"),
+    ("", ["model.hidden=64"], "model.hidden is not a field"),
+    ("", ["model.hidden_size=big"], "model.hidden_size = 'big' has type str"),
+    ("", ["data.global_batch_size=10", "data.micro_batch_size=4"], "not a multiple of data.micro_batch_size"),
+    ("", ["model.num_experts_per_tok=8"], "exceeds model.num_experts"),
+    ("", ["model.num_key_value_heads=3"], "not a multiple of model.num_key_value_heads"),
+    ("", ["data.seq_len=1024"], "exceeds model.max_position_embeddings"),
+    ("", ["train.steps=5", "optim.warmup_steps=6"], "exceeds train.steps"),
+    ("", ["checkpoint.resume=/no/such/dir"], "checkpoint.resume"),
+    ("", ["optim.lr"], "must look like section.key=value"),
+])
+def test_errors_name_the_key(toml, body, overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(toml(body), overrides)
+    assert message in str(e.value)
+
+
+def test_missing_model_config(tmp_path):
+    p = tmp_path / "run.toml"
+    p.write_text("[train]\nsteps = 1\n")
+    with pytest.raises(ConfigError, match="model.config is missing"):
+        load_config(str(p))
+    p.write_text('[model]\nconfig = "nope.json"\n')
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(p))

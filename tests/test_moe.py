@@ -1,0 +1,129 @@
+"""The balancing formulas, checked against hand computation, and the permutation / grouped GEMM ops."""
+
+import math
+
+import pytest
+import torch
+
+from pithtrain.layers.moe import (BalanceOptions, MoEBlock, aux_free_update, load_fraction,
+                                  micro_batch_aux_loss, sequence_aux_loss, z_loss)
+from pithtrain.ops.grouped_mm import grouped_mm_reference
+from pithtrain.ops.permute import permute, sort_by_expert, unpermute
+from pithtrain.config import OptimConfig
+from pithtrain.train.optim import lr_at
+
+
+def test_load_fraction_is_one_when_balanced():
+    assert torch.equal(load_fraction(torch.tensor([3.0, 3.0, 3.0])), torch.ones(3))
+    assert torch.allclose(load_fraction(torch.tensor([6.0, 0.0, 0.0])), torch.tensor([3.0, 0.0, 0.0]))
+
+
+def test_micro_batch_aux_loss_by_hand():
+    # 2 tokens, 3 experts, top-1: token 0 -> expert 0, token 1 -> expert 0
+    probs = torch.tensor([[0.5, 0.3, 0.2], [0.7, 0.2, 0.1]])
+    counts = torch.tensor([2.0, 0.0, 0.0])
+    # f = E * c / (k N) = [3, 0, 0]; P = [0.6, 0.25, 0.15]; aux = 3 * 0.6
+    assert micro_batch_aux_loss(probs, counts).item() == pytest.approx(1.8)
+    # uniform probabilities and balanced counts give exactly 1
+    assert micro_batch_aux_loss(torch.full((4, 4), 0.25), torch.tensor([2.0, 2, 2, 2])).item() == pytest.approx(1.0)
+
+
+def test_sequence_aux_loss_by_hand():
+    probs = torch.tensor([[[0.9, 0.1], [0.8, 0.2]], [[0.5, 0.5], [0.5, 0.5]]])  # B=2, S=2, E=2
+    ids = torch.tensor([[[0], [0]], [[0], [1]]])  # top-1
+    # seq 0: f = [2, 0], P = [0.85, 0.15] -> 1.7 ; seq 1: f = [1, 1], P = [0.5, 0.5] -> 1.0
+    assert sequence_aux_loss(probs, ids).item() == pytest.approx((1.7 + 1.0) / 2)
+
+
+def test_z_loss_by_hand():
+    logits = torch.tensor([[0.0, 0.0], [math.log(3.0), 0.0]])
+    expected = (math.log(2.0) ** 2 + math.log(4.0) ** 2) / 2
+    assert z_loss(logits).item() == pytest.approx(expected)
+
+
+def test_aux_free_update_moves_toward_balance():
+    bias = torch.zeros(3)
+    aux_free_update(bias, torch.tensor([10.0, 4.0, 1.0]), rate=0.1)
+    assert torch.allclose(bias, torch.tensor([-0.1, 0.1, 0.1]))
+
+
+def _block(**balance):
+    torch.manual_seed(0)
+    block = MoEBlock(8, 4, 2, 16, norm_topk_prob=True, balance=BalanceOptions(**balance))
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    return block
+
+
+def test_global_batch_aux_uses_the_step_counts():
+    block = _block(aux_loss="global_batch", aux_loss_coef=1.0)
+    x1, x2 = torch.randn(1, 6, 8), torch.randn(1, 6, 8)
+    block.route(x1, aux_weight=0.5)
+    counts1 = block.load.clone()
+    block.route(x2, aux_weight=0.5)
+    _, probs, _, ids = block.gate(x2.reshape(-1, 8))
+    counts2 = torch.bincount(ids.flatten(), minlength=4).float()
+    assert torch.equal(block.load, counts1 + counts2)
+    first = micro_batch_aux_loss(block.gate(x1.reshape(-1, 8))[1], counts1)
+    second = micro_batch_aux_loss(probs, counts1 + counts2)
+    assert block.aux_total.item() == pytest.approx(0.5 * (first + second).item(), rel=1e-6)
+    stats = block.end_step()
+    assert torch.equal(stats["load"], counts1 + counts2) and block.load.sum() == 0
+
+
+def test_aux_loss_gradient_reaches_the_router():
+    block = _block(aux_loss="micro_batch", aux_loss_coef=1.0)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    rows, plan = block.route(x, aux_weight=1.0)
+    rows.sum().backward()  # rows do not depend on router weights: only the aux loss reaches them
+    assert block.gate.weight.grad is not None and block.gate.weight.grad.abs().sum() > 0
+    ref = _block(aux_loss="micro_batch", aux_loss_coef=1.0)
+    logits, probs, _, ids = ref.gate(x.detach().reshape(-1, 8))
+    micro_batch_aux_loss(probs, torch.bincount(ids.flatten(), minlength=4)).backward()
+    assert torch.allclose(block.gate.weight.grad, ref.gate.weight.grad, atol=1e-6)
+
+
+def test_aux_free_bias_changes_selection_not_weights():
+    block = _block(aux_free=True)
+    x = torch.randn(10, 8)
+    _, probs, w0, ids0 = block.gate(x)
+    block.gate.e_score_correction_bias[:] = torch.tensor([-10.0, -10.0, 0.0, 0.0])
+    _, probs1, w1, ids1 = block.gate(x)
+    assert set(ids1.flatten().tolist()) == {2, 3}
+    expected = probs.gather(1, ids1)
+    assert torch.allclose(w1, expected / expected.sum(-1, keepdim=True))
+
+
+def test_permute_roundtrip_and_backward():
+    torch.manual_seed(1)
+    N, k, H, E = 7, 3, 5, 4
+    x = torch.randn(N, H, dtype=torch.float64, requires_grad=True)
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(N)])
+    order, inverse, counts = sort_by_expert(ids, E)
+    rows = permute(x, order, inverse, k)
+    assert torch.equal(rows, x.repeat_interleave(k, 0)[order])
+    assert torch.equal(ids.flatten()[order], torch.sort(ids.flatten(), stable=True).values)
+    back = unpermute(rows, order, inverse).view(N, k, H)
+    assert torch.equal(back, x.unsqueeze(1).expand(N, k, H))
+    torch.autograd.gradcheck(lambda t: permute(t, order, inverse, k), (x,))
+    r = torch.randn(N * k, H, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(lambda t: unpermute(t, order, inverse), (r,))
+
+
+def test_grouped_mm_reference_with_empty_groups():
+    x = torch.randn(6, 4)
+    w = torch.randn(3, 4, 2)
+    offsets = torch.tensor([2, 2, 6], dtype=torch.int32)
+    out = grouped_mm_reference(x, w, offsets)
+    assert torch.allclose(out, torch.cat([x[:2] @ w[0], x[2:] @ w[2]]))
+
+
+def test_lr_schedule():
+    c = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=4, decay="cosine")
+    assert [lr_at(s, 14, c) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_at(4, 14, c) == pytest.approx(1.0) and lr_at(13, 14, c) == pytest.approx(0.1)
+    assert lr_at(4 + 9 // 2, 14, c) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 4 / 9)))
+    lin = OptimConfig(lr=1.0, min_lr=0.0, warmup_steps=0, decay="linear")
+    assert lr_at(0, 11, lin) == 1.0 and lr_at(5, 11, lin) == pytest.approx(0.5) and lr_at(10, 11, lin) == 0.0
+    const = OptimConfig(lr=1.0, warmup_steps=2, decay="constant")
+    assert lr_at(1, 10, const) == 1.0 and lr_at(9, 10, const) == 1.0
