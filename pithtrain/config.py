@@ -23,7 +23,8 @@ class ConfigError(ValueError):
 
 @dataclass
 class TrainConfig:
-    steps: int = 100
+    steps: int = 100  # length of the whole run (the LR schedule spans it)
+    stop_at: int = 0  # end this invocation after this step, to resume later (0: run to train.steps)
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
@@ -248,6 +249,8 @@ def validate(cfg: RunConfig) -> None:
             f"data.global_batch_size = {d.global_batch_size} is not a multiple of "
             f"data.micro_batch_size = {d.micro_batch_size}"
         )
+    if not 0 <= t.stop_at <= t.steps:
+        raise ConfigError(f"train.stop_at = {t.stop_at} must lie between 0 and train.steps = {t.steps}")
     if o.warmup_steps > t.steps:
         raise ConfigError(f"optim.warmup_steps = {o.warmup_steps} exceeds train.steps = {t.steps}")
     if not 0 < o.lr or not 0 <= o.min_lr <= o.lr:

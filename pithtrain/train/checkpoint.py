@@ -88,7 +88,7 @@ def set_rng_state(state: dict) -> None:
 def _quiet():
     """DCP warns when it runs without a process group, which is how a single process uses it."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is not initialized.*")
+        warnings.filterwarnings("ignore", message=".*torch.distributed is (disabled|not initialized).*")
         warnings.filterwarnings("ignore", message=".*process group.*")
         yield
 

@@ -143,8 +143,9 @@ def train(cfg: RunConfig) -> dict:
         log.say(f"resumed from {path} at step {start}")
     n_micro = d.global_batch_size // d.micro_batch_size
     last, tokens_since, t_since = {}, 0, time.perf_counter()
-    record = {}
-    for step in range(start, cfg.train.steps):
+    record, first_loss = {}, None
+    end = cfg.train.stop_at or cfg.train.steps
+    for step in range(start, end):
         lr = lr_at(step, cfg.train.steps, cfg.optim)
         set_lr(optimizer, lr)
         idx = sampler.next_batch()
@@ -153,7 +154,7 @@ def train(cfg: RunConfig) -> dict:
         last = train_step(model, optimizer, micro, cfg.optim.grad_clip, device, amp)
         tokens_since += last["tokens"]
         done = step + 1
-        is_last = done == cfg.train.steps
+        is_last = done == end
         validate = is_last or (d.val_every and done % d.val_every == 0)
         if done % cfg.log.every == 0 or validate or is_last:
             if device.type == "cuda":
@@ -169,6 +170,7 @@ def train(cfg: RunConfig) -> dict:
             if validate:
                 record["val_loss"] = evaluate(model, val_ds, val_idx, device, amp)
             log.record(record)
+            first_loss = record["loss"] if first_loss is None else first_loss
             tokens_since, t_since = 0, time.perf_counter()
         log.advance()
         every = cfg.checkpoint.every
@@ -178,7 +180,7 @@ def train(cfg: RunConfig) -> dict:
     log.close()
     summary = {"run_dir": cfg.log.run_dir, "steps": cfg.train.steps, "start_step": start}
     if record:
-        summary.update(train_loss=record["loss"], val_loss=record.get("val_loss"),
+        summary.update(first_loss=first_loss, train_loss=record["loss"], val_loss=record.get("val_loss"),
                        tokens_per_s=record["tokens_per_s"])
     metrics = os.path.join(cfg.log.run_dir, "metrics.jsonl")
     if cfg.log.plot and os.path.exists(metrics):

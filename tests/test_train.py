@@ -1,0 +1,79 @@
+"""End-to-end training on CPU: learning, exact resume, a killed save, bad input."""
+
+import json
+import os
+
+import pytest
+
+from conftest import losses, run_cli, write_run
+from pithtrain.config import ConfigError, load_config
+from pithtrain.train import checkpoint
+from pithtrain.train.loop import train
+
+
+def test_training_learns_and_logs(tiny_corpus, tmp_path):
+    toml = write_run(tmp_path, tiny_corpus)
+    summary = train(load_config(toml, ["train.steps=40", "optim.lr=1e-2", "log.plot=true", "moe.aux_loss=sequence",
+                                       "moe.z_loss_coef=1e-3", "moe.aux_free=true"]))
+    run = summary["run_dir"]
+    rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == list(range(1, 41))
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_mem_gb",
+                "aux_loss", "expert_load_imbalance"):
+        assert key in rows[-1], key
+    assert rows[-1]["expert_load_imbalance"] >= 1.0 and rows[-1]["aux_loss"] > 0
+    vals = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert len(vals) == 10 and vals[-1] < vals[0]
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.5
+    assert os.path.getsize(summary["plot"]) > 1000
+    saved = json.load(open(os.path.join(run, "run_config.json")))
+    assert saved["moe"]["aux_loss"] == "sequence" and saved["model"]["hf"]["num_experts"] == 4
+    # the aux-free bias moved and is part of the checkpoint
+    ckpt = checkpoint.latest(os.path.join(run, "checkpoints"))
+    assert ckpt.endswith("step-00000040")
+
+
+def test_exact_resume_in_a_new_process(tiny_corpus, tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    straight = write_run(tmp_path / "a", tiny_corpus)
+    run_cli("train", straight, "train.steps=12", "moe.aux_free=true")
+    split = write_run(tmp_path / "b", tiny_corpus)
+    run_cli("train", split, "train.steps=12", "train.stop_at=6", "moe.aux_free=true")
+    out = run_cli("train", split, "train.steps=12", "checkpoint.resume=auto", "moe.aux_free=true")
+    assert "resumed from" in out.stdout and "step-00000006" in out.stdout
+    a, b = losses(str(tmp_path / "a" / "run")), losses(str(tmp_path / "b" / "run"))
+    assert list(a) == list(range(1, 13)) and a == b  # bit-identical: floats compared exactly
+
+
+def test_killed_save_leaves_previous_checkpoint(tiny_corpus, tmp_path):
+    toml = write_run(tmp_path, tiny_corpus)
+    ckdir = tmp_path / "run" / "checkpoints"
+    proc = run_cli("train", toml, "train.steps=6", "checkpoint.every=2", "checkpoint.keep=3",
+                   env={"PITHTRAIN_FAULT": "save-before-marker:4"}, check=False)
+    assert proc.returncode == 137
+    assert sorted(os.listdir(ckdir)) == [".tmp-step-00000004", "step-00000002"]
+    assert checkpoint.latest(str(ckdir)).endswith("step-00000002")
+    out = run_cli("train", toml, "train.steps=6", "checkpoint.every=2", "checkpoint.keep=3",
+                  "checkpoint.resume=auto")
+    assert "step-00000002" in out.stdout
+    assert sorted(os.listdir(ckdir)) == ["step-00000002", "step-00000004", "step-00000006"]
+    # a truncated tensor file is refused by name, and auto-resume falls back to an older checkpoint
+    newest = ckdir / "step-00000006"
+    victim = next(p for p in newest.iterdir() if p.suffix == ".distcp")
+    victim.write_bytes(victim.read_bytes()[:10])
+    with pytest.raises(checkpoint.CheckpointError, match=victim.name):
+        checkpoint.verify(str(newest))
+    assert checkpoint.latest(str(ckdir)).endswith("step-00000004")
+
+
+def test_tokenizer_larger_than_model_vocab(tiny_corpus, tmp_path):
+    toml = write_run(tmp_path, tiny_corpus)
+    with pytest.raises(ConfigError, match="model.vocab_size = 100"):
+        train(load_config(toml, ["model.vocab_size=100", "train.steps=2", "optim.warmup_steps=1"]))
+
+
+def test_cli_reports_config_errors(tiny_corpus, tmp_path):
+    toml = write_run(tmp_path, tiny_corpus)
+    proc = run_cli("train", toml, "optim.lrate=1", check=False)
+    assert proc.returncode == 2 and "unknown key optim.lrate" in proc.stderr and "Traceback" not in proc.stderr
