@@ -44,7 +44,8 @@ def cmd_demo(args) -> int:
     corpus = os.path.join(args.work_dir, "demo-corpus")
     if not os.path.exists(os.path.join(corpus, "meta.json")):
         print(f"building the demo corpus in {corpus} (Python standard library sources)", flush=True)
-        meta = build_corpus(["demo"], corpus, None, workers=args.workers, demo_vocab_size=4096)
+        meta = build_corpus(["demo"], corpus, None, workers=args.workers, demo_vocab_size=4096,
+                            val_fraction=0.02)
         print(f"  {meta['splits']['train']['tokens']:,} train / {meta['splits']['val']['tokens']:,} "
               f"validation tokens", flush=True)
     overrides = [f"data.corpus={corpus}", f"log.run_dir={os.path.join(args.work_dir, 'demo-run')}"]

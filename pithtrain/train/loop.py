@@ -143,6 +143,7 @@ def train(cfg: RunConfig) -> dict:
         log.say(f"resumed from {path} at step {start}")
     n_micro = d.global_batch_size // d.micro_batch_size
     last, tokens_since, t_since = {}, 0, time.perf_counter()
+    run_tokens, run_time = 0, 0.0
     record, first_loss = {}, None
     end = cfg.train.stop_at or cfg.train.steps
     for step in range(start, end):
@@ -171,17 +172,20 @@ def train(cfg: RunConfig) -> dict:
                 record["val_loss"] = evaluate(model, val_ds, val_idx, device, amp)
             log.record(record)
             first_loss = record["loss"] if first_loss is None else first_loss
-            tokens_since, t_since = 0, time.perf_counter()
+            run_tokens, run_time = run_tokens + tokens_since, run_time + elapsed
+            tokens_since, t_since = 0, time.perf_counter()  # validation time is not step time
         log.advance()
         every = cfg.checkpoint.every
         if (every and done % every == 0) or (is_last and cfg.checkpoint.save_final):
+            t_save = time.perf_counter()
             checkpoint.save(ckpt_dir, done, model, optimizer, {"data": sampler.state_dict(), "lr": lr},
                             cfg.checkpoint.keep)
+            t_since += time.perf_counter() - t_save  # nor is saving
     log.close()
     summary = {"run_dir": cfg.log.run_dir, "steps": cfg.train.steps, "start_step": start}
     if record:
         summary.update(first_loss=first_loss, train_loss=record["loss"], val_loss=record.get("val_loss"),
-                       tokens_per_s=record["tokens_per_s"])
+                       tokens_per_s=run_tokens / run_time)
     metrics = os.path.join(cfg.log.run_dir, "metrics.jsonl")
     if cfg.log.plot and os.path.exists(metrics):
         summary["plot"] = plot_losses(metrics, os.path.join(cfg.log.run_dir, "loss.png"), train_ds.vocab_size)

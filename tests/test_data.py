@@ -1,0 +1,359 @@
+"""Tests of pithtrain.train.data: corpus building, packed loading, batch sampling."""
+
+import argparse
+import glob
+import json
+import logging
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import zstandard
+from tokenizers import Tokenizer
+
+from pithtrain.train import data as D
+
+DOCS = [
+    "hello world",
+    "  leading spaces and trailing  \n",
+    "unicode: héllo wörld, 世界, emoji 🙂🚀",
+    "line one\nline two\r\nline three\ttab",
+    "a literal <|endoftext|> inside a document stays text",
+    "def f(x):\n    return x * 2\n",
+] + [f"document number {i}: the quick brown fox {'jumps ' * (i % 7)}over the lazy dog." for i in range(40)]
+
+
+@pytest.fixture(scope="module")
+def tok_path(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tok") / "tokenizer.json")
+    D.train_demo_tokenizer(DOCS * 3, 300, path)
+    return path
+
+
+def write_jsonl(path, docs, key="text"):
+    with open(path, "w", encoding="utf-8") as f:
+        for d in docs:
+            f.write(json.dumps({key: d, "id": 1}) + "\n")
+    return str(path)
+
+
+def write_zst(path, docs):
+    """JSON lines compressed as two concatenated zstd frames."""
+    raw = [("".join(json.dumps({"text": d}) + "\n" for d in part)).encode() for part in (docs[:7], docs[7:])]
+    with open(path, "wb") as f:
+        f.write(b"".join(zstandard.ZstdCompressor().compress(r) for r in raw))
+    return str(path)
+
+
+def write_txt_zst_dir(path, docs):
+    os.makedirs(path)
+    for i, d in enumerate(docs):
+        (path / f"{i:03d}.txt.zst").write_bytes(zstandard.ZstdCompressor().compress(d.encode()))
+    return str(path)
+
+
+def write_parquet(path, docs):
+    pq.write_table(pa.table({"text": docs, "n": list(range(len(docs)))}), path)
+    return str(path)
+
+
+def write_txt_dir(path, docs):
+    os.makedirs(path)
+    for i, d in enumerate(docs):
+        with open(os.path.join(path, f"{i:03d}.txt"), "w", encoding="utf-8", newline="") as f:
+            f.write(d)
+    return str(path)
+
+
+def read_docs(out, split):
+    """Token documents of a split, cut at the idx offsets."""
+    meta = json.load(open(os.path.join(out, "meta.json")))
+    tokens = np.fromfile(os.path.join(out, f"{split}.bin"), dtype=meta["dtype"])
+    idx = np.load(os.path.join(out, f"{split}.idx.npy"))
+    assert idx[0] == 0 and idx[-1] == len(tokens) == meta["splits"][split]["tokens"]
+    assert len(idx) == meta["splits"][split]["docs"] + 1
+    return [tokens[a:b].tolist() for a, b in zip(idx[:-1], idx[1:], strict=True)]
+
+
+def decoded_docs(out):
+    tok = Tokenizer.from_file(os.path.join(out, "tokenizer.json"))
+    eos = json.load(open(os.path.join(out, "meta.json")))["eos_id"]
+    texts = []
+    for split in ("train", "val"):
+        for ids in read_docs(out, split):
+            assert ids[-1] == eos and eos not in ids[:-1]
+            texts.append(tok.decode(ids[:-1], skip_special_tokens=False))
+    return texts
+
+
+def leftovers(out):
+    """The output directory and any temporary siblings (out.tmp-PID) still on disk."""
+    return [p for p in [str(out)] + glob.glob(str(out) + ".*") if os.path.exists(p)]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "zst", "parquet", "txt", "txt.zst"])
+def test_round_trip(tmp_path, tok_path, fmt):
+    src = {
+        "jsonl": lambda: write_jsonl(tmp_path / "d.jsonl", DOCS),
+        "zst": lambda: write_zst(tmp_path / "d.jsonl.zst", DOCS),
+        "parquet": lambda: write_parquet(tmp_path / "d.parquet", DOCS),
+        "txt": lambda: write_txt_dir(tmp_path / "txt", DOCS),
+        "txt.zst": lambda: write_txt_zst_dir(tmp_path / "txtzst", DOCS),
+    }[fmt]()
+    out = str(tmp_path / "corpus")
+    meta = D.build_corpus([src], out, tok_path, val_fraction=0.2, workers=1)
+    assert sorted(decoded_docs(out)) == sorted(DOCS)
+    assert meta["splits"]["val"]["docs"] >= 1 and meta["splits"]["train"]["docs"] >= 1
+    assert meta["dtype"] == "uint16" and meta["vocab_size"] == 300
+    assert sum(s["docs"] for s in meta["sources"]) == len(DOCS)
+    assert meta == json.load(open(os.path.join(out, "meta.json")))
+
+
+def test_demo_tokenizer_trained_when_none(tmp_path):
+    src = write_jsonl(tmp_path / "d.jsonl", DOCS)
+    out = str(tmp_path / "corpus")
+    meta = D.build_corpus([src], out, None, demo_vocab_size=300, workers=1)
+    assert meta["vocab_size"] == 300 and os.path.isfile(os.path.join(out, "tokenizer.json"))
+    assert sorted(decoded_docs(out)) == sorted(DOCS)
+    # the split guarantees one validation document even with a tiny val_fraction
+    assert meta["splits"]["val"]["docs"] >= 1
+
+
+def test_demo_input(tmp_path, tok_path, monkeypatch):
+    monkeypatch.setattr(D, "demo_texts", lambda: DOCS[:10])
+    meta = D.build_corpus(["demo"], str(tmp_path / "c"), tok_path, workers=1)
+    assert meta["sources"][0]["docs"] == 10
+
+
+def test_workers_identical(tmp_path, tok_path):
+    many = [f"{d} #{i}" for i in range(15) for d in DOCS]  # > 2 tasks of 256 documents
+    srcs = [write_jsonl(tmp_path / "a.jsonl", many), write_txt_dir(tmp_path / "t", DOCS[:5])]
+    outs = []
+    for w in (1, 2):
+        outs.append(str(tmp_path / f"c{w}"))
+        D.build_corpus(srcs, outs[-1], tok_path, val_fraction=0.1, workers=w)
+    for name in ("train.bin", "val.bin", "train.idx.npy", "val.idx.npy", "meta.json", "tokenizer.json"):
+        a, b = (open(os.path.join(o, name), "rb").read() for o in outs)
+        assert a == b, name
+
+
+def test_empty_file_skipped(tmp_path, tok_path, caplog):
+    good = write_jsonl(tmp_path / "good.jsonl", DOCS)
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    (tmp_path / "blank.jsonl").write_text("\n\n")
+    with caplog.at_level(logging.WARNING, logger="pithtrain.data"):
+        meta = D.build_corpus([good, str(tmp_path / "empty.jsonl"), str(tmp_path / "blank.jsonl")],
+                              str(tmp_path / "c"), tok_path, workers=1)
+    assert "empty.jsonl" in caplog.text and "blank.jsonl" in caplog.text
+    assert [os.path.basename(s["path"]) for s in meta["skipped"]] == ["empty.jsonl", "blank.jsonl"]
+
+
+def bad_jsonl_line(p):
+    p.write_text('{"text": "ok"}\n{"text": "ok2"}\n{"text": broken\n')
+
+
+def bad_key(p):
+    p.write_text('{"text": "ok"}\n{"body": "x", "title": "y"}\n')
+
+
+BAD = {
+    "line.jsonl": (bad_jsonl_line, ["line.jsonl", "line 3"]),
+    "key.jsonl": (bad_key, ["key.jsonl", "line 2", "'body'", "'title'"]),
+    "type.jsonl": (lambda p: p.write_text('{"text": 5}\n'), ["type.jsonl", "line 1", "int"]),
+    "bytes.jsonl": (lambda p: p.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n'),
+                    ["bytes.jsonl", "line 2", "UTF-8"]),
+    "bytes.txt": (lambda p: p.write_bytes(b"fine\nstill fine\n\xff\xfe"), ["bytes.txt", "UTF-8"]),
+    "cut.jsonl.zst": (lambda p: p.write_bytes(zstandard.ZstdCompressor().compress(
+        b"".join(b'{"text": "doc %d"}\n' % i for i in range(5000)))[:-40]), ["cut.jsonl.zst", "truncated"]),
+    "junk.jsonl.zst": (lambda p: p.write_bytes(b"not zstd at all"), ["junk.jsonl.zst"]),
+    "bad.parquet": (lambda p: p.write_bytes(b"PAR1 this is not parquet"), ["bad.parquet"]),
+    "col.parquet": (lambda p: pq.write_table(pa.table({"body": ["x"]}), p), ["col.parquet", "'body'"]),
+}
+
+
+@pytest.mark.parametrize("tokenizer", ["given", None])
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_file_raises(tmp_path, tok_path, name, tokenizer):
+    make, expected = BAD[name]
+    make(tmp_path / name)
+    good = write_jsonl(tmp_path / "good.jsonl", DOCS)
+    out = tmp_path / "c"
+    with pytest.raises(D.CorpusError) as e:
+        D.build_corpus([good, str(tmp_path / name)], str(out), tok_path if tokenizer else None,
+                       workers=1, demo_vocab_size=300)
+    for s in expected:
+        assert s in str(e.value), (s, str(e.value))
+    assert leftovers(out) == []
+
+
+@pytest.mark.parametrize("tokenizer", ["given", None])
+@pytest.mark.parametrize("name", ["line.jsonl", "cut.jsonl.zst", "bad.parquet"])
+def test_skip_bad_files(tmp_path, tok_path, name, tokenizer):
+    make, _ = BAD[name]
+    make(tmp_path / name)
+    good = write_jsonl(tmp_path / "good.jsonl", DOCS)
+    small = write_txt_dir(tmp_path / "small", DOCS[:5])  # shares a task batch with the bad file's documents
+    out = str(tmp_path / "c")
+    meta = D.build_corpus([small, str(tmp_path / name), good], out, tok_path if tokenizer else None,
+                          workers=1, skip_bad_files=True, demo_vocab_size=300)
+    assert [os.path.basename(s["path"]) for s in meta["skipped"]] == [name]
+    assert sorted(decoded_docs(out)) == sorted(DOCS[:5] + DOCS)  # no half of the bad file got in
+    assert [s["docs"] for s in meta["sources"]] == [1] * 5 + [len(DOCS)]
+
+
+def test_bad_file_mid_stream_rolled_back_with_workers(tmp_path, tok_path):
+    """A file that fails after several full batches leaves none of its documents behind."""
+    p = tmp_path / "late.jsonl"
+    write_jsonl(p, [f"late {i}" for i in range(600)])
+    with open(p, "a") as f:
+        f.write("{oops\n")
+    good = write_jsonl(tmp_path / "good.jsonl", DOCS)
+    out = str(tmp_path / "c")
+    meta = D.build_corpus([str(p), good], out, tok_path, workers=2, skip_bad_files=True)
+    assert "line 601" in meta["skipped"][0]["reason"]
+    assert sorted(decoded_docs(out)) == sorted(DOCS)
+    with pytest.raises(D.CorpusError, match="line 601"):
+        D.build_corpus([str(p), good], str(tmp_path / "c2"), tok_path, workers=2)
+    assert leftovers(tmp_path / "c2") == []
+
+
+def test_input_and_output_errors(tmp_path, tok_path):
+    good = write_jsonl(tmp_path / "good.jsonl", DOCS)
+    with pytest.raises(D.CorpusError, match="nothing_here"):
+        D.build_corpus([str(tmp_path / "nothing_here*.jsonl")], str(tmp_path / "c"), tok_path)
+    (tmp_path / "e.txt").write_bytes(b"")
+    with pytest.raises(D.CorpusError, match="no documents"):
+        D.build_corpus([str(tmp_path / "e.txt")], str(tmp_path / "c"), tok_path, workers=1)
+    with pytest.raises(D.CorpusError, match="no documents"):
+        D.build_corpus([str(tmp_path / "e.txt")], str(tmp_path / "c"), None, demo_vocab_size=300, workers=1)
+    with pytest.raises(D.CorpusError, match="1 document;"):
+        D.build_corpus([write_jsonl(tmp_path / "one.jsonl", DOCS[:1])], str(tmp_path / "c"), tok_path, workers=1)
+    with pytest.raises(D.CorpusError, match="tokenizer"):
+        D.build_corpus([good], str(tmp_path / "c"), str(tmp_path / "missing"), workers=1)
+    with pytest.raises(D.CorpusError, match="eos"):
+        D.build_corpus([good], str(tmp_path / "c"), tok_path, eos_token="<nope>", workers=1)
+    assert leftovers(tmp_path / "c") == []
+    out = str(tmp_path / "c")
+    D.build_corpus([good], out, tok_path, workers=1)
+    with pytest.raises(D.CorpusError, match="already holds a corpus"):
+        D.build_corpus([good], out, tok_path, workers=1)
+    D.build_corpus([good], out, tok_path, workers=1, overwrite=True, seed=3)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "x").write_text("x")
+    with pytest.raises(D.CorpusError, match="not an empty directory"):
+        D.build_corpus([good], str(tmp_path / "other"), tok_path, workers=1)
+
+
+def test_find_eos_and_load_tokenizer(tmp_path, tok_path):
+    tok = D.load_tokenizer(os.path.dirname(tok_path))
+    assert D.find_eos_id(tok) == tok.token_to_id("<|endoftext|>")
+    assert D.find_eos_id(tok, "a") == tok.token_to_id("a")
+    (tmp_path / "tokenizer.json").write_text("{nope")
+    with pytest.raises(D.CorpusError, match="cannot load"):
+        D.load_tokenizer(str(tmp_path))
+
+
+@pytest.fixture()
+def corpus(tmp_path, tok_path):
+    docs = [f"{d} {i}" for i in range(4) for d in DOCS]
+    out = str(tmp_path / "c")
+    D.build_corpus([write_jsonl(tmp_path / "d.jsonl", docs)], out, tok_path, val_fraction=0.3, workers=1)
+    return out
+
+
+def test_packed_dataset(corpus):
+    ds = D.PackedDataset(corpus, "train", 16)
+    tokens = np.fromfile(os.path.join(corpus, "train.bin"), dtype=ds.meta["dtype"]).astype(np.int64)
+    idx = np.load(os.path.join(corpus, "train.idx.npy"))
+    assert len(ds) == (len(tokens) - 1) // 16 and ds.vocab_size == 300 and ds.eos_id == 0
+    for i in (0, 1, len(ds) - 1):
+        w = ds[i]
+        assert w.dtype == torch.int64 and w.shape == (17,)
+        assert w.tolist() == tokens[i * 16 : i * 16 + 17].tolist()
+        starts = ds.doc_starts(i)
+        assert starts.tolist() == [s - i * 16 for s in idx[:-1] if i * 16 <= s < i * 16 + 16]
+    with pytest.raises(IndexError):
+        ds[len(ds)]
+    x, y = D.batch_tensors(ds, [2, 0, 5])
+    assert x.shape == y.shape == (3, 16) and x.dtype == y.dtype == torch.int64
+    assert torch.equal(x[1], ds[0][:-1]) and torch.equal(y[1], ds[0][1:])
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    assert os.path.basename(ds.tokenizer_path) == "tokenizer.json"
+
+
+def test_packed_dataset_errors(corpus, tmp_path):
+    with open(os.path.join(corpus, "train.bin"), "ab") as f:
+        f.write(b"\0\0")
+    with pytest.raises(D.CorpusError, match="train.bin"):
+        D.PackedDataset(corpus, "train", 16)
+    with pytest.raises(D.CorpusError, match="meta.json"):
+        D.PackedDataset(str(tmp_path / "nope"), "train", 16)
+    val = D.PackedDataset(corpus, "val", 100000)
+    with pytest.raises(D.CorpusError, match="fewer than seq_len"):
+        len(val)
+
+
+def test_validation_batches(corpus):
+    val = D.PackedDataset(corpus, "val", 8)
+    n = len(val)
+    assert D.validation_batches(val, 2, 3) == [[0, 1], [2, 3], [4, 5]]
+    assert len(D.validation_batches(val, 2, 10**6)) == n // 2
+    with pytest.raises(D.CorpusError, match="val_fraction"):
+        D.validation_batches(val, n + 1, 1)
+
+
+def test_sampler_epochs_and_determinism():
+    s, t = D.GlobalBatchSampler(23, 5, seed=7), D.GlobalBatchSampler(23, 5, seed=7)
+    for epoch in range(3):
+        seen = []
+        for _ in range(4):  # 4 batches of 5; the tail of 3 is dropped
+            b = s.next_batch()
+            assert b == t.next_batch() and len(b) == 5 and s.epoch == epoch
+            seen += b
+        assert len(set(seen)) == 20
+        assert seen == np.random.default_rng([7, epoch]).permutation(23)[:20].tolist()
+    assert D.GlobalBatchSampler(23, 5, seed=8).next_batch() != D.GlobalBatchSampler(23, 5, seed=7).next_batch()
+    with pytest.raises(D.CorpusError):
+        D.GlobalBatchSampler(4, 5, seed=0)
+
+
+def test_sampler_resume():
+    ref = D.GlobalBatchSampler(30, 4, seed=1)
+    for _ in range(9):
+        ref.next_batch()
+    sd = json.loads(json.dumps(ref.state_dict()))  # survives a checkpoint round trip
+    assert sd == {"epoch": 1, "offset": 8, "seed": 1, "n_samples": 30, "global_batch": 4}
+    resumed = D.GlobalBatchSampler(30, 4, seed=1)
+    resumed.load_state_dict(sd)
+    assert [resumed.next_batch() for _ in range(20)] == [ref.next_batch() for _ in range(20)]
+    bigger = D.GlobalBatchSampler(30, 6, seed=1)
+    bigger.load_state_dict(sd)
+    assert bigger.next_batch() == np.random.default_rng([1, 1]).permutation(30)[8:14].tolist()
+    with pytest.raises(D.CorpusError, match="corpus"):
+        D.GlobalBatchSampler(31, 4, seed=1).load_state_dict(sd)
+    with pytest.raises(D.CorpusError, match="seed"):
+        D.GlobalBatchSampler(30, 4, seed=2).load_state_dict(sd)
+
+
+def test_demo_texts():
+    a = D.demo_texts()
+    assert len(a) > 10 and all(isinstance(t, str) and t for t in a)
+    assert sum(len(t.encode()) for t in a) > 1_000_000
+    assert sum(len(t.encode()) for t in a) <= D.DEMO_TEXT_CAP
+    assert D.demo_texts()[:20] == a[:20]
+
+
+def test_cli(tmp_path, tok_path, capsys):
+    parser = argparse.ArgumentParser()
+    D.add_build_corpus_args(parser)
+    good = write_jsonl(tmp_path / "good.jsonl", DOCS)
+    args = parser.parse_args([good, "--out", str(tmp_path / "c"), "--tokenizer", tok_path, "--workers", "1"])
+    assert D.run_build_corpus(args) == 0
+    assert "train" in capsys.readouterr().out
+    bad_jsonl_line(tmp_path / "bad.jsonl")
+    args = parser.parse_args([str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "c2"), "--tokenizer", tok_path])
+    assert D.run_build_corpus(args) == 2
+    assert "line 3" in capsys.readouterr().err
