@@ -7,20 +7,22 @@ ifdef VIRTUAL_ENV
 else
   PY := .venv/bin/python
 endif
-STAMP := $(if $(VIRTUAL_ENV),$(VIRTUAL_ENV),.venv)/.pithtrain-$(1)
+ENV_DIR := $(if $(VIRTUAL_ENV),$(VIRTUAL_ENV),.venv)
+ENV_STAMP := $(ENV_DIR)/.pithtrain-env
+TEST_STAMP := $(ENV_DIR)/.pithtrain-test
 
 .PHONY: demo test env test-env clean
 
-env: $(call STAMP,env)
-test-env: $(call STAMP,test)
+env: $(ENV_STAMP)
+test-env: $(TEST_STAMP)
 
-$(call STAMP,env): pyproject.toml
+$(ENV_STAMP): pyproject.toml
 	@if [ -z "$$VIRTUAL_ENV" ] && [ ! -x .venv/bin/python ]; then $(PYTHON) -m venv .venv; fi
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e .
 	@touch $@
 
-$(call STAMP,test): $(call STAMP,env)
+$(TEST_STAMP): $(ENV_STAMP)
 	$(PY) -m pip install -q -e '.[test]'
 	@touch $@
 
