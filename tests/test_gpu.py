@@ -19,7 +19,7 @@ PROXY = dict(model_type="qwen3_moe", vocab_size=4096, hidden_size=256, intermedi
 
 
 def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
 
 
 def test_grouped_mm_cuda_matches_twin_with_empty_groups():
@@ -38,34 +38,48 @@ def test_grouped_mm_cuda_matches_twin_with_empty_groups():
     assert w.grad[1].abs().sum() == 0 and w.grad[4].abs().sum() == 0
 
 
-def test_bf16_autocast_model_close_to_fp32():
+def test_bf16_autocast_model_close_to_fp32(monkeypatch):
+    """bf16 autocast on CUDA against fp32 on CPU, with the routing of the fp32 run replayed.
+
+    bf16 rounding flips near-tie top-k choices for a few tokens (1 and 7 of 256 per MoE layer
+    here), and a flipped token moves whole expert gradients (0.10 relative measured). With the
+    fp32 routing replayed the worst gradient differs by ~2e-2; so the routing is replayed, and
+    the number of tokens whose choice differs is checked to be small.
+    """
+    from pithtrain.layers import moe
+
     torch.manual_seed(0)
     model = build_model(PROXY)
     init_weights(model, seed=1)
     ids = torch.randint(0, PROXY["vocab_size"], (2, 128))
     labels = torch.randint(0, PROXY["vocab_size"], (2, 128))
+    router_forward, recorded, replay, flips = moe.TopKRouter.forward, [], [], []
+
+    def forward(self, x):
+        logits, probs, weights, sel = router_forward(self, x)
+        if not replay:
+            recorded.append(sel)
+            return logits, probs, weights, sel
+        forced = replay.pop(0)
+        flips.append((forced.sort(-1).values != sel.sort(-1).values).any(-1).sum().item())
+        w = probs.gather(1, forced)
+        return logits, probs, (w / w.sum(-1, keepdim=True)).to(logits.dtype), forced
+
+    monkeypatch.setattr(moe.TopKRouter, "forward", forward)
     ref_loss = model(ids, labels=labels)
     ref_loss.backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    replay.extend(r.cuda() for r in recorded)
     gpu = copy.deepcopy(model).cuda()
     gpu.zero_grad(set_to_none=True)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         loss = gpu(ids.cuda(), labels=labels.cuda())
     loss.backward()
+    assert len(flips) == 2 and max(flips) <= 0.05 * ids.numel()
     assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-2
-    # bf16 rounding flips near-tie top-k choices for a few tokens, which moves the gradient of the
-    # router and of the experts those tokens left or joined (measured 0.10 relative on one expert
-    # tensor). Dense parameters are compared one by one; routed ones by the cosine of all of them.
-    routed_ours, routed_ref = [], []
     for name, p in gpu.named_parameters():
         assert p.dtype == torch.float32 and p.grad.dtype == torch.float32
-        if ".mlp.gate." in name or ".mlp.experts." in name:
-            routed_ours.append(p.grad.cpu().flatten())
-            routed_ref.append(ref_grads[name].flatten())
-        else:
-            assert rel(p.grad.cpu(), ref_grads[name]) < 5e-2, name
-    cos = torch.nn.functional.cosine_similarity(torch.cat(routed_ours), torch.cat(routed_ref), dim=0)
-    assert cos > 0.99
+        assert rel(p.grad.cpu(), ref_grads[name]) < 5e-2, name
 
 
 def test_training_on_cuda(tiny_corpus, tmp_path):
