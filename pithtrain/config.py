@@ -121,8 +121,6 @@ def parse_value(text: str) -> Any:
 
 def _check_type(key: str, value: Any, annotation: Any) -> Any:
     """Return `value` as the annotated type, or raise ConfigError naming the key."""
-    if isinstance(annotation, str):
-        annotation = eval(annotation, vars(typing))  # postponed annotations of this module
     if get_origin(annotation) is Literal:
         choices = get_args(annotation)
         if value not in choices:
@@ -204,11 +202,11 @@ def build_config(raw: dict) -> RunConfig:
         if section == "model":
             continue
         target = getattr(cfg, section)
-        fields = {f.name: f for f in dataclasses.fields(target)}
+        types = typing.get_type_hints(type(target))
         for key, value in table.items():
-            if key not in fields:
-                raise ConfigError(f"unknown key {section}.{key}; valid keys of [{section}]: {sorted(fields)}")
-            setattr(target, key, _check_type(f"{section}.{key}", value, fields[key].type))
+            if key not in types:
+                raise ConfigError(f"unknown key {section}.{key}; valid keys of [{section}]: {sorted(types)}")
+            setattr(target, key, _check_type(f"{section}.{key}", value, types[key]))
 
     model = dict(raw.get("model", {}))
     cfg.model.config = model.pop("config", "")
