@@ -46,6 +46,13 @@ def time_steps(step, warmup: int, steps: int) -> float:
     return statistics.median(times)
 
 
+def measure(step, args, tokens: int, fpt: float) -> dict:
+    torch.cuda.reset_peak_memory_stats()
+    t = time_steps(step, args.warmup, args.steps)
+    return dict(step_s=t, tokens_per_s=tokens / t, tflops=fpt * tokens / t / 1e12,
+                peak_gb=torch.cuda.max_memory_allocated() / 2**30)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=int, default=4)
@@ -81,10 +88,7 @@ def main() -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        torch.cuda.reset_peak_memory_stats()
-        t = time_steps(step_ours, args.warmup, args.steps)
-        results["ours"] = dict(step_s=t, tokens_per_s=tokens / t, tflops=fpt * tokens / t / 1e12,
-                               peak_gb=torch.cuda.max_memory_allocated() / 2**30)
+        results["ours"] = measure(step_ours, args, tokens, fpt)
         del opt
     del ours
     torch.cuda.empty_cache()
@@ -107,10 +111,7 @@ def main() -> None:
             hopt.step()
             hopt.zero_grad(set_to_none=True)
 
-        torch.cuda.reset_peak_memory_stats()
-        t = time_steps(step_hf, args.warmup, args.steps)
-        results["hf"] = dict(step_s=t, tokens_per_s=tokens / t, tflops=fpt * tokens / t / 1e12,
-                             peak_gb=torch.cuda.max_memory_allocated() / 2**30)
+        results["hf"] = measure(step_hf, args, tokens, fpt)
     if "ours" in results and "hf" in results:
         results["ratio_tokens_per_s"] = results["ours"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
         results["ratio_peak_mem"] = results["ours"]["peak_gb"] / results["hf"]["peak_gb"]
