@@ -45,8 +45,6 @@ class LayerState:
 
 
 class DecoderLayer(nn.Module):
-    STAGES = ("attention", "dispatch", "experts", "combine", "aggregate")
-
     def __init__(self, attn: nn.Module, mlp: nn.Module, hidden: int, eps: float):
         super().__init__()
         self.self_attn = attn
