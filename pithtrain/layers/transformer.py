@@ -115,6 +115,14 @@ class CausalLM(nn.Module):
     def moe_blocks(self) -> list[MoEBlock]:
         return [m for m in self.modules() if isinstance(m, MoEBlock)]
 
+    def parameter_counts(self) -> tuple[int, int]:
+        """(total, active per token): routed experts count top_k / num_experts of their size."""
+        total = sum(p.numel() for p in self.parameters())
+        routed = sum(b.experts.gate_up_proj.numel() + b.experts.down_proj.numel() for b in self.moe_blocks())
+        active_routed = sum((b.experts.gate_up_proj.numel() + b.experts.down_proj.numel()) * b.top_k
+                            // b.num_experts for b in self.moe_blocks())
+        return total, total - routed + active_routed
+
     def context(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, aux_weight: float,
                 dtype: torch.dtype) -> ForwardContext:
         if position_ids is None:
