@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 
 from pithtrain.config import ConfigError, load_config
@@ -48,7 +49,11 @@ def cmd_demo(args) -> int:
                             val_fraction=0.02)
         print(f"  {meta['splits']['train']['tokens']:,} train / {meta['splits']['val']['tokens']:,} "
               f"validation tokens", flush=True)
-    overrides = [f"data.corpus={corpus}", f"log.run_dir={os.path.join(args.work_dir, 'demo-run')}"]
+    run_dir = os.path.join(args.work_dir, "demo-run")
+    if os.path.exists(run_dir):  # the demo's own output: each demo starts afresh
+        print(f"removing the previous demo run {run_dir}", flush=True)
+        shutil.rmtree(run_dir)
+    overrides = [f"data.corpus={corpus}", f"log.run_dir={run_dir}"]
     toml = os.path.join(EXAMPLES, "demo", "demo.toml")
     if not os.path.exists(toml):
         raise ConfigError(f"{toml} not found: run the demo from a source checkout (or `pip install -e .`)")

@@ -1,5 +1,6 @@
 """`pithtrain demo` end to end, with fewer steps than `make demo` runs."""
 
+import json
 import math
 import os
 import re
@@ -19,3 +20,9 @@ def test_demo_short(tmp_path):
     # 60 steps take the loss well below a uniform guess over the 4096-token vocabulary
     assert val_loss < 0.85 * math.log(4096) and train_loss < 0.85 * math.log(4096)
     assert os.path.isdir(os.path.join(run_dir, "checkpoints", "step-00000060"))
+    # a second demo replaces its own previous run instead of refusing or appending to it
+    again = run_cli("demo", "--work-dir", str(tmp_path), "train.steps=2", "optim.warmup_steps=1",
+                    "checkpoint.every=0", "log.progress=false").stdout
+    assert "removing the previous demo run" in again
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        assert [json.loads(line)["step"] for line in f] == [2]  # log.every = 10: only the last step

@@ -73,6 +73,16 @@ def test_tokenizer_larger_than_model_vocab(tiny_corpus, tmp_path):
         train(load_config(toml, ["model.vocab_size=100", "train.steps=2", "optim.warmup_steps=1"]))
 
 
+def test_fresh_run_refuses_an_existing_run_dir(tiny_corpus, tmp_path):
+    toml = write_run(tmp_path, tiny_corpus)
+    train(load_config(toml, ["train.steps=2", "optim.warmup_steps=1"]))
+    before = open(tmp_path / "run" / "metrics.jsonl").read()
+    with pytest.raises(ConfigError, match="already holds a run.*checkpoint.resume=auto"):
+        train(load_config(toml, ["train.steps=2", "optim.warmup_steps=1"]))
+    assert open(tmp_path / "run" / "metrics.jsonl").read() == before
+    assert checkpoint.latest(str(tmp_path / "run" / "checkpoints")).endswith("step-00000002")
+
+
 def test_cli_reports_config_errors(tiny_corpus, tmp_path):
     toml = write_run(tmp_path, tiny_corpus)
     proc = run_cli("train", toml, "optim.lrate=1", check=False)

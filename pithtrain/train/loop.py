@@ -109,6 +109,17 @@ def train_step(model: CausalLM, optimizer, micro_batches: list, grad_clip: float
     return out
 
 
+def refuse_to_overwrite(run_dir: str, ckpt_dir: str) -> None:
+    """A fresh run (resume = none) must not write over the metrics or checkpoints of another."""
+    found = checkpoint.complete_checkpoints(ckpt_dir)
+    if found or os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+        what = f"checkpoints up to step {found[-1][0]}" if found else "metrics.jsonl"
+        raise ConfigError(
+            f"log.run_dir {run_dir} already holds a run ({what}); continue it with checkpoint.resume=auto "
+            f"or start a new one in another log.run_dir"
+        )
+
+
 def save_run_config(cfg: RunConfig) -> None:
     os.makedirs(cfg.log.run_dir, exist_ok=True)
     with open(os.path.join(cfg.log.run_dir, "run_config.json"), "w") as f:
@@ -126,10 +137,12 @@ def train(cfg: RunConfig) -> dict:
     sampler = GlobalBatchSampler(len(train_ds), d.global_batch_size, cfg.train.seed)
     model = build_for_training(cfg, device)
     optimizer = build_optimizer(model, cfg.optim)
-    save_run_config(cfg)
 
     ckpt_dir, start = cfg.checkpoint_dir, 0
     resume = cfg.checkpoint.resume
+    if resume == "none":
+        refuse_to_overwrite(cfg.log.run_dir, ckpt_dir)
+    save_run_config(cfg)
     checkpoint.clean_partial(ckpt_dir)
     path = checkpoint.latest(ckpt_dir) if resume == "auto" else (None if resume == "none" else resume)
     if path is not None:
