@@ -7,6 +7,8 @@ import pytest
 
 from conftest import losses, run_cli, write_run
 from pithtrain.config import ConfigError, load_config
+from pithtrain.layers.moe import BalanceOptions
+from pithtrain.models import build_model
 from pithtrain.train import checkpoint
 from pithtrain.train.loop import train
 
@@ -31,6 +33,10 @@ def test_training_learns_and_logs(tiny_corpus, tmp_path):
     # the aux-free bias moved and is part of the checkpoint
     ckpt = checkpoint.latest(os.path.join(run, "checkpoints"))
     assert ckpt.endswith("step-00000040")
+    model = build_model(load_config(toml).model.hf, BalanceOptions(aux_free=True))
+    checkpoint.load(ckpt, model, None)
+    biases = [b.gate.e_score_correction_bias for b in model.moe_blocks()]
+    assert len(biases) == 2 and all(b.abs().sum() > 0 for b in biases)
 
 
 def test_exact_resume_in_a_new_process(tiny_corpus, tmp_path):

@@ -87,11 +87,12 @@ def evaluate(model: CausalLM, ds: PackedDataset, batches: list[list[int]], devic
 
 def train_step(model: CausalLM, optimizer, micro_batches: list, grad_clip: float, device, amp) -> dict:
     """Forward/backward over the micro-batches, clip, step. Returns device tensors (no sync)."""
-    n_tokens = sum(int((labels != -100).sum()) for _, labels in micro_batches)
+    counts = [int((labels != -100).sum()) for _, labels in micro_batches]  # on the host, before upload
+    n_tokens = sum(counts)
     loss_sum = torch.zeros((), device=device)
-    for ids, labels in micro_batches:
+    for (ids, labels), count in zip(micro_batches, counts):
         ids, labels = ids.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-        share = int((labels != -100).sum()) / n_tokens
+        share = count / n_tokens
         with autocast(device, amp):
             loss = model(ids, labels=labels, aux_weight=share)
         (loss / n_tokens).backward()
