@@ -1,4 +1,5 @@
-"""Our Qwen3-MoE against transformers' Qwen3MoeForCausalLM: same weights, fp32, same inputs."""
+"""Every model family against its `transformers` implementation: the same random weights, fp32,
+the same inputs; logits, loss and every parameter gradient agree to 1e-5 relative."""
 
 import pytest
 import torch
@@ -8,35 +9,79 @@ transformers = pytest.importorskip("transformers")
 from pithtrain.models import build_model  # noqa: E402
 from pithtrain.layers.transformer import init_weights  # noqa: E402
 
-TINY = dict(model_type="qwen3_moe", vocab_size=97, hidden_size=32, intermediate_size=48,
-            moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=8, num_experts=6, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
-            mlp_only_layers=[1], max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-6,
-            tie_word_embeddings=False)
+QWEN3 = dict(model_type="qwen3_moe", vocab_size=97, hidden_size=32, intermediate_size=48,
+             moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=8, num_experts=6, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+             mlp_only_layers=[1], max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-6,
+             tie_word_embeddings=False)
+YARN = {"type": "yarn", "factor": 40.0, "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1,
+        "original_max_position_embeddings": 16}
+DEEPSEEK_V2 = dict(model_type="deepseek_v2", vocab_size=97, hidden_size=32, intermediate_size=48,
+                   moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                   q_lora_rank=None, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+                   n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=3, first_k_dense_replace=1,
+                   topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False,
+                   max_position_embeddings=640, rope_theta=10000.0, rope_scaling=YARN, rms_norm_eps=1e-6,
+                   tie_word_embeddings=False, initializer_range=0.1)
+DEEPSEEK_V3 = dict(DEEPSEEK_V2, model_type="deepseek_v3", q_lora_rank=10, n_shared_experts=1, n_group=4,
+                   topk_group=2, topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
+                   routed_scaling_factor=2.5, rope_scaling=dict(YARN, mscale=1.0))
+GPT_OSS = dict(model_type="gpt_oss", vocab_size=97, hidden_size=32, intermediate_size=16, num_hidden_layers=3,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=6, num_experts_per_tok=2,
+               sliding_window=5, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+               swiglu_limit=1.5, max_position_embeddings=512, rope_theta=150000.0,
+               rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "truncate": False, "original_max_position_embeddings": 16},
+               rms_norm_eps=1e-5, initializer_range=0.1, tie_word_embeddings=False)
+
+CASES = {
+    "qwen3": QWEN3,
+    "qwen3-tied-unnormed": dict(QWEN3, tie_word_embeddings=True, norm_topk_prob=False),
+    "qwen3-sparse-step": dict(QWEN3, decoder_sparse_step=2, mlp_only_layers=[]),
+    "deepseek_v2-greedy": DEEPSEEK_V2,
+    "deepseek_v2-q_lora-group_limited": dict(DEEPSEEK_V2, q_lora_rank=10, topk_method="group_limited_greedy",
+                                             n_group=4, topk_group=2, routed_scaling_factor=16.0,
+                                             attention_bias=True),
+    "deepseek_v3": DEEPSEEK_V3,
+    "deepseek_v3-half_split_rope": dict(DEEPSEEK_V3, rope_interleave=False),
+    "gpt_oss": GPT_OSS,
+}
+HF_CLASS = {"qwen3_moe": "Qwen3Moe", "deepseek_v2": "DeepseekV2", "deepseek_v3": "DeepseekV3", "gpt_oss": "GptOss"}
 
 
 def hf_model(cfg: dict):
-    config = transformers.Qwen3MoeConfig(**cfg, attn_implementation="eager")
+    name = HF_CLASS[cfg["model_type"]]
+    fields = {k: v for k, v in cfg.items() if k != "model_type"}
+    config = getattr(transformers, f"{name}Config")(**fields, attn_implementation="eager")
     config._experts_implementation = "eager"
-    return transformers.Qwen3MoeForCausalLM(config).float()
+    return getattr(transformers, f"{name}ForCausalLM")(config).float()
 
 
 def rel(a, b):
     return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
 
 
-@pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": True, "norm_topk_prob": False},
-                                       {"decoder_sparse_step": 2, "mlp_only_layers": []}])
-def test_qwen3_moe_matches_transformers(overrides):
-    cfg = {**TINY, **overrides}
+def random_model(cfg: dict, seed: int = 3):
+    """Our model with init_weights, then every bias, sink and correction bias made non-zero."""
     torch.manual_seed(0)
-    ours = build_model(cfg)
-    init_weights(ours, seed=3)
+    model = build_model(cfg)
+    init_weights(model, seed=seed)
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if name.endswith(("_bias", ".bias", "sinks")):
+                t.normal_(0.0, 0.3)
+    return model
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_model_matches_transformers(case):
+    cfg = CASES[case]
+    ours = random_model(cfg)
     theirs = hf_model(cfg)
     missing, unexpected = theirs.load_state_dict(ours.state_dict(), strict=True)
     assert not missing and not unexpected
     assert set(dict(ours.named_parameters())) == set(dict(theirs.named_parameters()))
-    assert any(l.is_moe for l in ours.model.layers.values()) and not all(l.is_moe for l in ours.model.layers.values())
+    assert any(l.is_moe for l in ours.model.layers.values())
 
     ids = torch.randint(0, cfg["vocab_size"], (2, 24))
     labels = torch.randint(0, cfg["vocab_size"], (2, 24))

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from pithtrain.layers.moe import (BalanceOptions, MoEBlock, aux_free_update, load_fraction,
+from pithtrain.layers.moe import (BalanceOptions, GroupedExperts, MoEBlock, TopKRouter, aux_free_update, load_fraction,
                                   micro_batch_aux_loss, sequence_aux_loss, z_loss)
 from pithtrain.ops.grouped_mm import grouped_mm_reference
 from pithtrain.ops.permute import permute, sort_by_expert, unpermute
@@ -49,7 +49,9 @@ def test_aux_free_update_moves_toward_balance():
 
 def _block(**balance):
     torch.manual_seed(0)
-    block = MoEBlock(8, 4, 2, 16, norm_topk_prob=True, balance=BalanceOptions(**balance))
+    balance = BalanceOptions(**balance)
+    router = TopKRouter(8, 4, 2, norm_topk_prob=True, correction_bias=balance.aux_free)
+    block = MoEBlock(router, GroupedExperts(4, 8, 16), balance)
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.5)
     return block
@@ -61,10 +63,10 @@ def test_global_batch_aux_uses_the_step_counts():
     block.route(x1, aux_weight=0.5)
     counts1 = block.load.clone()
     block.route(x2, aux_weight=0.5)
-    _, probs, _, ids = block.gate(x2.reshape(-1, 8))
+    _, probs, _, ids = block.topk_router(x2.reshape(-1, 8))
     counts2 = torch.bincount(ids.flatten(), minlength=4).float()
     assert torch.equal(block.load, counts1 + counts2)
-    first = micro_batch_aux_loss(block.gate(x1.reshape(-1, 8))[1], counts1)
+    first = micro_batch_aux_loss(block.topk_router(x1.reshape(-1, 8))[1], counts1)
     second = micro_batch_aux_loss(probs, counts1 + counts2)
     assert block.aux_total.item() == pytest.approx(0.5 * (first + second).item(), rel=1e-6)
     stats = block.end_step()
@@ -86,9 +88,9 @@ def test_aux_loss_gradient_reaches_the_router():
 def test_aux_free_bias_changes_selection_not_weights():
     block = _block(aux_free=True)
     x = torch.randn(10, 8)
-    _, probs, w0, ids0 = block.gate(x)
+    _, probs, w0, ids0 = block.topk_router(x)
     block.gate.e_score_correction_bias[:] = torch.tensor([-10.0, -10.0, 0.0, 0.0])
-    _, probs1, w1, ids1 = block.gate(x)
+    _, probs1, w1, ids1 = block.topk_router(x)
     assert set(ids1.flatten().tolist()) == {2, 3}
     expected = probs.gather(1, ids1)
     assert torch.allclose(w1, expected / expected.sum(-1, keepdim=True))

@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pithtrain.layers.mlp import SwiGLUMLP
 from pithtrain.ops.grouped_mm import grouped_mm
+from pithtrain.ops.swiglu import swiglu
 from pithtrain.ops.permute import permute, sort_by_expert, unpermute
 
 
@@ -94,42 +94,112 @@ def attach_aux_loss(x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
 
 
 class TopKRouter(nn.Module):
-    """Softmax router: probabilities over all experts, top-k chosen, optionally renormalised."""
+    """Scores every expert for each token and picks `top_k` of them; computed in fp32.
 
-    def __init__(self, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool, aux_free: bool):
+    `score`: `softmax` over all experts (Qwen3, DeepSeek-V2), `sigmoid` (DeepSeek-V3), or
+    `softmax_topk`: the top-k is taken on the logits and the softmax over the k chosen ones
+    gives the weights (GPT-OSS). Options, in the order they apply:
+    - `correction_bias`: a per-expert buffer added to the scores for the choice only (DeepSeek-V3's
+      `e_score_correction_bias`; the aux-free balancing moves it);
+    - `n_group` / `topk_group`: experts split into groups, the best `topk_group` groups kept
+      (a group's score: its best expert, `group_score="max"`, DeepSeek-V2's group_limited_greedy;
+      or its best two summed, `"top2_sum"`, DeepSeek-V3's noaux_tc), the top-k taken inside them;
+    - `norm_topk_prob`: the k weights renormalised to sum to 1;
+    - `scaling_factor`: the weights multiplied by it (DeepSeek's routed_scaling_factor).
+    `probs` (for the balancing losses) are the softmax over all logits, or for `sigmoid` the
+    scores normalised to sum to 1.
+    """
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, *, score: str = "softmax",
+                 norm_topk_prob: bool = False, scaling_factor: float = 1.0, n_group: int = 1,
+                 topk_group: int = 1, group_score: str = "max", bias: bool = False, correction_bias: bool = False):
         super().__init__()
-        self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
+        if score not in ("softmax", "sigmoid", "softmax_topk"):
+            raise ValueError(f"router score {score!r}: use softmax, sigmoid or softmax_topk")
+        if num_experts % n_group or not 1 <= topk_group <= n_group:
+            raise ValueError(f"{num_experts} experts cannot form {n_group} groups with topk_group={topk_group}")
+        if top_k > num_experts // n_group * topk_group:
+            raise ValueError(f"top_k={top_k} is more than the {num_experts // n_group * topk_group} experts "
+                             f"in the {topk_group} kept groups")
+        self.num_experts, self.top_k, self.score, self.norm_topk_prob = num_experts, top_k, score, norm_topk_prob
+        self.scaling_factor, self.n_group, self.topk_group, self.group_score = scaling_factor, n_group, topk_group, group_score
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
-        if aux_free:
+        self.bias = nn.Parameter(torch.empty(num_experts)) if bias else None
+        if correction_bias:
             self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
         else:
             self.e_score_correction_bias = None
 
+    def _keep_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        groups = choice.view(choice.shape[0], self.n_group, -1)
+        if self.group_score == "max":
+            group_scores = groups.max(-1).values
+        else:
+            group_scores = groups.topk(2, dim=-1).values.sum(-1)
+        best = group_scores.topk(self.topk_group, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        return groups.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
+
     def forward(self, x: torch.Tensor):
-        """x [N, H] -> logits [N, E], probs [N, E] (fp32), weights [N, k], expert ids [N, k]."""
-        logits = F.linear(x, self.weight)
-        probs = torch.softmax(logits.float(), dim=-1)
-        scores = probs if self.e_score_correction_bias is None else probs + self.e_score_correction_bias
-        ids = torch.topk(scores, self.top_k, dim=-1).indices
-        weights = probs.gather(1, ids)
+        """x [N, H] -> logits [N, E], probs [N, E], weights [N, k] (all fp32), expert ids [N, k]."""
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+        if self.score == "sigmoid":
+            scores = logits.sigmoid()
+            probs = scores / scores.sum(-1, keepdim=True)
+        else:
+            scores = probs = torch.softmax(logits, dim=-1)
+        choice = logits if self.score == "softmax_topk" else scores
+        if self.e_score_correction_bias is not None:
+            choice = choice + self.e_score_correction_bias
+        if self.n_group > 1:
+            choice = self._keep_best_groups(choice)
+        ids = torch.topk(choice, self.top_k, dim=-1).indices
+        if self.score == "softmax_topk":
+            weights = torch.softmax(logits.gather(1, ids), dim=-1)
+        else:
+            weights = scores.gather(1, ids)
         if self.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdim=True)
-        return logits, probs, weights.to(logits.dtype), ids
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        if self.scaling_factor != 1.0:
+            weights = weights * self.scaling_factor
+        return logits, probs, weights, ids
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts stored as stacked 3D weights (HF layout: gate_up_proj [E, 2I, H] with the
-    gate half first, down_proj [E, H, I]). `first_expert` is the global id of local expert 0."""
+    """E gated-MLP experts stored as stacked 3D weights, run by grouped GEMMs.
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, first_expert: int = 0):
+    Layouts (HF in-memory names): by default gate_up_proj [E, 2I, H] and down_proj [E, H, I]
+    (Qwen3, DeepSeek); `transposed`: gate_up_proj [E, H, 2I] and down_proj [E, I, H] (GPT-OSS).
+    `bias` adds gate_up_proj_bias [E, 2I] and down_proj_bias [E, H]. `activation` maps the
+    [rows, 2I] gate/up projection to [rows, I] (see `ops/swiglu.py`). `first_expert` is the
+    global id of local expert 0.
+    """
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, first_expert: int = 0, *,
+                 transposed: bool = False, bias: bool = False, activation=swiglu):
         super().__init__()
-        self.num_experts, self.first_expert = num_experts, first_expert
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.num_experts, self.first_expert, self.transposed, self.activation = num_experts, first_expert, transposed, activation
+        up_shape = (hidden, 2 * intermediate) if transposed else (2 * intermediate, hidden)
+        down_shape = (intermediate, hidden) if transposed else (hidden, intermediate)
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, *up_shape))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, *down_shape))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate)) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
+
+    def _weight(self, w: torch.Tensor) -> torch.Tensor:  # -> [E, in, out] for grouped_mm
+        return w if self.transposed else w.transpose(1, 2)
 
     def forward(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        gate, up = grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offsets).chunk(2, dim=-1)
-        return grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offsets)
+        h = grouped_mm(rows, self._weight(self.gate_up_proj), offsets)
+        if self.gate_up_proj_bias is not None:
+            expert = torch.searchsorted(offsets, torch.arange(rows.shape[0], device=rows.device, dtype=offsets.dtype),
+                                        right=True)
+            h = h + self.gate_up_proj_bias[expert].to(h.dtype)
+        out = grouped_mm(self.activation(h), self._weight(self.down_proj), offsets)
+        if self.down_proj_bias is not None:
+            out = out + self.down_proj_bias[expert].to(out.dtype)
+        return out
 
 
 @dataclass
@@ -144,16 +214,26 @@ class RoutePlan:
 
 
 class MoEBlock(nn.Module):
-    def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int, *,
-                 norm_topk_prob: bool, balance: BalanceOptions, shared_intermediate: int = 0):
+    """Routed experts (+ optional shared experts, always applied). The router is registered under
+    `router_name` (HF: `gate` for Qwen3 / DeepSeek, `router` for GPT-OSS) and read as `topk_router`."""
+
+    def __init__(self, router: TopKRouter, experts: GroupedExperts, balance: BalanceOptions, *,
+                 shared_experts: nn.Module | None = None, router_name: str = "gate"):
         super().__init__()
-        self.num_experts, self.top_k, self.balance = num_experts, top_k, balance
-        self.gate = TopKRouter(hidden, num_experts, top_k, norm_topk_prob, balance.aux_free)
-        self.experts = GroupedExperts(num_experts, hidden, intermediate)
-        self.shared_experts = SwiGLUMLP(hidden, shared_intermediate) if shared_intermediate else None
+        self.num_experts, self.top_k, self.balance = router.num_experts, router.top_k, balance
+        if balance.aux_free and router.e_score_correction_bias is None:
+            raise ValueError("moe.aux_free needs a router with a correction bias (correction_bias=True)")
+        self.router_name = router_name
+        self.add_module(router_name, router)
+        self.experts = experts
+        self.shared_experts = shared_experts
         # Step statistics (not saved): assignments per expert, weighted balancing loss.
-        self.register_buffer("load", torch.zeros(num_experts), persistent=False)
+        self.register_buffer("load", torch.zeros(router.num_experts), persistent=False)
         self.register_buffer("aux_total", torch.zeros(()), persistent=False)
+
+    @property
+    def topk_router(self) -> TopKRouter:
+        return self._modules[self.router_name]
 
     def route(self, x: torch.Tensor, aux_weight: float) -> tuple[torch.Tensor, RoutePlan]:
         """x [B, S, H] (normed) -> expert-sorted rows [N*k, H] and the plan.
@@ -163,7 +243,7 @@ class MoEBlock(nn.Module):
         """
         B, S, H = x.shape
         flat = x.reshape(-1, H)
-        logits, probs, weights, ids = self.gate(flat)
+        logits, probs, weights, ids = self.topk_router(flat)
         order, inverse, counts = sort_by_expert(ids, self.num_experts)
         with torch.no_grad():
             if self.training:
@@ -216,7 +296,7 @@ class MoEBlock(nn.Module):
         load = self.load.clone()
         stats = {"load": load, "aux": self.aux_total.clone()}
         if self.balance.aux_free:
-            aux_free_update(self.gate.e_score_correction_bias, load, self.balance.aux_free_rate)
+            aux_free_update(self.topk_router.e_score_correction_bias, load, self.balance.aux_free_rate)
         self.load.zero_()
         self.aux_total.zero_()
         return stats

@@ -118,9 +118,9 @@ class CausalLM(nn.Module):
     def parameter_counts(self) -> tuple[int, int]:
         """(total, active per token): routed experts count top_k / num_experts of their size."""
         total = sum(p.numel() for p in self.parameters())
-        routed = sum(b.experts.gate_up_proj.numel() + b.experts.down_proj.numel() for b in self.moe_blocks())
-        active_routed = sum((b.experts.gate_up_proj.numel() + b.experts.down_proj.numel()) * b.top_k
-                            // b.num_experts for b in self.moe_blocks())
+        size = {id(b): sum(p.numel() for p in b.experts.parameters()) for b in self.moe_blocks()}
+        routed = sum(size.values())
+        active_routed = sum(size[id(b)] * b.top_k // b.num_experts for b in self.moe_blocks())
         return total, total - routed + active_routed
 
     def context(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, aux_weight: float,
@@ -176,5 +176,5 @@ def init_weights(model: CausalLM, seed: int) -> None:
             gen = torch.Generator(param.device).manual_seed(_seed(seed, name))
             param.normal_(0.0, model.init_std, generator=gen)
     for block in model.moe_blocks():
-        if block.gate.e_score_correction_bias is not None:
-            block.gate.e_score_correction_bias.zero_()
+        if block.topk_router.e_score_correction_bias is not None:
+            block.topk_router.e_score_correction_bias.zero_()

@@ -3,7 +3,7 @@
 from pithtrain.layers.moe import BalanceOptions
 from pithtrain.layers.transformer import CausalLM
 
-SUPPORTED = ["qwen3_moe"]
+SUPPORTED = ["qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss"]
 
 
 def build_model(hf: dict, balance: BalanceOptions | None = None, layer_ids: list[int] | None = None) -> CausalLM:
@@ -13,5 +13,13 @@ def build_model(hf: dict, balance: BalanceOptions | None = None, layer_ids: list
             from pithtrain.models import qwen3_moe
 
             return qwen3_moe.build(hf, balance, layer_ids)
+        case "deepseek_v2" | "deepseek_v3":
+            from pithtrain.models import deepseek_v2
+
+            return deepseek_v2.build(hf, balance, layer_ids)
+        case "gpt_oss":
+            from pithtrain.models import gpt_oss
+
+            return gpt_oss.build(hf, balance, layer_ids)
         case other:
             raise ValueError(f"model_type {other!r} in config.json is not supported; supported: {SUPPORTED}")

@@ -7,8 +7,8 @@ MLP elsewhere. Parameter names are those of `transformers`' Qwen3MoeForCausalLM.
 
 from pithtrain.layers.attention import GQAttention
 from pithtrain.layers.mlp import SwiGLUMLP
-from pithtrain.layers.moe import BalanceOptions, MoEBlock
-from pithtrain.layers.rope import RotaryEmbedding, rope_theta
+from pithtrain.layers.moe import BalanceOptions, GroupedExperts, MoEBlock, TopKRouter
+from pithtrain.layers.rope import RotaryEmbedding, rope_parameters
 from pithtrain.layers.transformer import CausalLM, DecoderLayer
 
 # Defaults of transformers' Qwen3MoeConfig for fields a config.json may leave out.
@@ -44,10 +44,12 @@ def build(hf: dict, balance: BalanceOptions, layer_ids: list[int] | None = None)
         attn = GQAttention(H, c["num_attention_heads"], c["num_key_value_heads"], head_dim,
                            bias=c["attention_bias"], qk_norm=True, eps=eps)
         if is_moe_layer(c, i):
-            mlp = MoEBlock(H, c["num_experts"], c["num_experts_per_tok"], c["moe_intermediate_size"],
-                           norm_topk_prob=c["norm_topk_prob"], balance=balance)
+            router = TopKRouter(H, c["num_experts"], c["num_experts_per_tok"], norm_topk_prob=c["norm_topk_prob"],
+                                correction_bias=balance.aux_free)
+            mlp = MoEBlock(router, GroupedExperts(c["num_experts"], H, c["moe_intermediate_size"]), balance)
         else:
             mlp = SwiGLUMLP(H, c["intermediate_size"])
         layers[i] = DecoderLayer(attn, mlp, H, eps)
-    return CausalLM(c["vocab_size"], H, layers, RotaryEmbedding(head_dim, rope_theta(c)), eps=eps,
+    rope = RotaryEmbedding(head_dim, rope_parameters(c), c.get("max_position_embeddings"))
+    return CausalLM(c["vocab_size"], H, layers, rope, eps=eps,
                     tie_embeddings=c["tie_word_embeddings"], init_std=c["initializer_range"])
