@@ -115,13 +115,16 @@ class CausalLM(nn.Module):
     def moe_blocks(self) -> list[MoEBlock]:
         return [m for m in self.modules() if isinstance(m, MoEBlock)]
 
-    def parameter_counts(self) -> tuple[int, int]:
-        """(total, active per token): routed experts count top_k / num_experts of their size."""
+    def parameter_counts(self, count_embedding: bool = True) -> tuple[int, int]:
+        """(total, active per token): routed experts count top_k / num_experts of their size.
+        `count_embedding=False` leaves the input embedding out of the active count (a lookup, not
+        a matmul: the convention of the DeepSeek and GPT-OSS model cards; Qwen counts it)."""
         total = sum(p.numel() for p in self.parameters())
         size = {id(b): sum(p.numel() for p in b.experts.parameters()) for b in self.moe_blocks()}
-        routed = sum(size.values())
-        active_routed = sum(size[id(b)] * b.top_k // b.num_experts for b in self.moe_blocks())
-        return total, total - routed + active_routed
+        active = total - sum(size.values()) + sum(size[id(b)] * b.top_k // b.num_experts for b in self.moe_blocks())
+        if not count_embedding and self.lm_head.weight is not self.model.embed_tokens.weight:
+            active -= self.model.embed_tokens.weight.numel()
+        return total, active
 
     def context(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, aux_weight: float,
                 dtype: torch.dtype) -> ForwardContext:
