@@ -1,35 +1,42 @@
 """PithTrain vs Hugging Face transformers on one GPU, same config, same weights, same process.
 
-    PYTHONPATH=. python benchmarks/single_gpu.py [--layers 4] [--seq 4096] [--mbs 2] [--steps 5]
+    PYTHONPATH=. python benchmarks/single_gpu.py [--model qwen3_30b_a3b] [--layers 4] [--seq 4096]
+                                                [--mbs 2] [--steps 5]
 
-Builds the Qwen3-30B-A3B-shaped proxy (hidden 2048, 128 experts top-8, expert width 768, 32/4
-heads of 128, vocab 151,936, untied head) with `--layers` layers, initialises ours, loads the same
-weights into `Qwen3MoeForCausalLM` (grouped_mm experts, SDPA), and times training steps of each
-(AdamW, warm-up steps first, CUDA events, median). Ours runs as it trains: fp32 master weights
-under bf16 autocast. HF runs as its harness in docs/performance.md does: bf16 weights, fused AdamW.
-Model FLOPs per token (training = 3 x forward): 6 * (active matmul parameters: attention projections,
-router, top-k experts, head) + 6 * layers * S * heads * head_dim (QK^T and PV over the causal half).
+Builds a `--layers`-layer proxy of an example model (`examples/<model>/config.json`: Qwen3-30B-A3B,
+DeepSeek-V2-Lite, GPT-OSS-20B), initialises ours, loads the same weights into the transformers
+model (grouped_mm experts; SDPA attention, flex_attention for GPT-OSS whose SDPA path transformers
+does not support), and times training steps of each (AdamW, warm-up steps first, CUDA events,
+median). Ours runs as it trains: fp32 master weights under bf16 autocast. HF runs as its harness
+in docs/performance.md does: bf16 weights, fused AdamW.
+Model FLOPs per token (training = 3 x forward): 6 * active parameters without the input
+embedding + 3 * per layer 2 * keys * heads * (qk_dim + v_dim), keys = S/2 under full causal
+attention and the window under a sliding window.
 """
 
 import argparse
 import json
+import os
 import statistics
 
 import torch
 
-QWEN3_30B = dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
-                 moe_intermediate_size=768, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                 num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960,
-                 rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+HF_CLASSES = {"qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+              "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 
 
-def flops_per_token(c: dict, layers: int, seq: int) -> float:
-    H, d = c["hidden_size"], c["num_attention_heads"] * c["head_dim"]
-    kv = c["num_key_value_heads"] * c["head_dim"]
-    attn_params = H * (d + 2 * kv) + d * H
-    expert_params = c["num_experts_per_tok"] * 3 * H * c["moe_intermediate_size"] + H * c["num_experts"]
-    dense = layers * (attn_params + expert_params) + H * c["vocab_size"]
-    return 6 * dense + 6 * layers * seq * d
+def flops_per_token(model, seq: int) -> float:
+    from pithtrain.layers.attention import MLAttention
+
+    _, active = model.parameter_counts(count_embedding=False)
+    attn = 0.0
+    for layer in model.model.layers.values():
+        a = layer.self_attn
+        qk, v = (a.nope_dim + a.rope_dim, a.v_dim) if isinstance(a, MLAttention) else (a.head_dim, a.head_dim)
+        keys = seq / 2 if getattr(a, "window", None) is None else min(a.window, seq / 2)
+        attn += 2 * keys * a.heads * (qk + v)
+    return 6 * active + 3 * attn
 
 
 def time_steps(step, warmup: int, steps: int) -> float:
@@ -55,6 +62,7 @@ def measure(step, args, tokens: int, fpt: float) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--model", default="qwen3_30b_a3b", choices=["qwen3_30b_a3b", "deepseek_v2_lite", "gpt_oss_20b"])
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--mbs", type=int, default=2)
@@ -62,12 +70,14 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--only", choices=["ours", "hf", "both"], default="both")
     args = p.parse_args()
-    cfg = {**QWEN3_30B, "num_hidden_layers": args.layers}
+    with open(os.path.join(EXAMPLES, args.model, "config.json")) as f:
+        cfg = {**json.load(f), "num_hidden_layers": args.layers}
+    if "layer_types" in cfg:
+        cfg["layer_types"] = cfg["layer_types"][:args.layers]
     dev = torch.device("cuda")
     ids = torch.randint(0, cfg["vocab_size"], (args.mbs, args.seq + 1), device=dev)
     inputs, labels = ids[:, :-1], ids[:, 1:]
     tokens = args.mbs * args.seq
-    fpt = flops_per_token(cfg, args.layers, args.seq)
     results = {}
 
     from pithtrain.layers.transformer import init_weights
@@ -76,6 +86,7 @@ def main() -> None:
     with torch.device(dev):
         ours = build_model(cfg)
     init_weights(ours, 0)
+    fpt = flops_per_token(ours, args.seq)
     state = {k: v.to(torch.bfloat16) for k, v in ours.state_dict().items()}
 
     if args.only in ("ours", "both"):
@@ -96,10 +107,11 @@ def main() -> None:
     if args.only in ("hf", "both"):
         import transformers
 
-        config = transformers.Qwen3MoeConfig(**cfg, attn_implementation="sdpa")
+        attn = "flex_attention" if cfg["model_type"] == "gpt_oss" else "sdpa"
+        config = transformers.AutoConfig.for_model(**cfg, attn_implementation=attn)
         config._experts_implementation = "grouped_mm"
         with torch.device(dev):
-            hf = transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16)
+            hf = getattr(transformers, HF_CLASSES[cfg["model_type"]])(config).to(torch.bfloat16)
         hf.load_state_dict(state, strict=True)
         del state
         hopt = torch.optim.AdamW(hf.parameters(), lr=1e-4, fused=True)
@@ -115,7 +127,7 @@ def main() -> None:
     if "ours" in results and "hf" in results:
         results["ratio_tokens_per_s"] = results["ours"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
         results["ratio_peak_mem"] = results["ours"]["peak_gb"] / results["hf"]["peak_gb"]
-    results["config"] = dict(layers=args.layers, seq=args.seq, mbs=args.mbs, steps=args.steps,
+    results["config"] = dict(model=args.model, layers=args.layers, seq=args.seq, mbs=args.mbs, steps=args.steps,
                              flops_per_token=fpt, device=torch.cuda.get_device_name())
     print(json.dumps(results, indent=1))
 

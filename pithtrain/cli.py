@@ -1,4 +1,4 @@
-"""`pithtrain train | build-corpus | demo`: the command line."""
+"""`pithtrain train | build-corpus | convert | demo`: the command line."""
 
 from __future__ import annotations
 
@@ -35,6 +35,45 @@ def cmd_build_corpus(args) -> int:
     from pithtrain.train.data import run_build_corpus
 
     return run_build_corpus(args)
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '2**30' or a plain byte count -> bytes."""
+    units = {"KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40}
+    t = text.strip().upper()
+    for unit, factor in units.items():
+        if t.endswith(unit):
+            return int(float(t[:-len(unit)]) * factor)
+    if not t.isdigit():
+        raise ConfigError(f"--max-shard-size {text!r}: give bytes or a size like 500MB / 5GB")
+    return int(t)
+
+
+def cmd_convert(args) -> int:
+    import json
+
+    import torch
+
+    from pithtrain.train import hf
+
+    if args.direction == "hf-to-dcp":
+        info = hf.hf_to_dcp(args.src, args.out, tokenizer=args.tokenizer)
+        print(f"wrote {info['tensors']} tensors to {args.out} (DCP); use it with checkpoint.init_from={args.out}")
+    else:
+        config = None
+        if args.config:
+            try:
+                with open(args.config) as f:
+                    config = json.load(f)
+            except (OSError, json.JSONDecodeError) as e:
+                raise ConfigError(f"--config {args.config}: {e}") from None
+        dtype = {"keep": None, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+        info = hf.dcp_to_hf(args.src, args.out, hf_config=config, tokenizer=args.tokenizer, dtype=dtype,
+                            max_shard_bytes=parse_size(args.max_shard_size))
+        print(f"wrote {info['tensors']} tensors in {info['shards']} shards to {args.out}")
+    if info["tokenizer_files"]:
+        print(f"tokenizer files: {', '.join(info['tokenizer_files'])}")
+    return 0
 
 
 def cmd_demo(args) -> int:
@@ -77,6 +116,17 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("build-corpus", help="tokenize text files into a packed corpus")
     add_build_corpus_args(p)
     p.set_defaults(func=cmd_build_corpus)
+
+    p = sub.add_parser("convert", help="Hugging Face safetensors <-> DCP checkpoints")
+    p.add_argument("direction", choices=["hf-to-dcp", "dcp-to-hf"])
+    p.add_argument("src", help="a Hugging Face folder (hf-to-dcp) or a DCP checkpoint directory (dcp-to-hf)")
+    p.add_argument("out", help="the output directory; it must not exist")
+    p.add_argument("--tokenizer", help="copy the tokenizer files from this folder (default: from src)")
+    p.add_argument("--config", help="dcp-to-hf: the model's config.json (default: the one in the checkpoint)")
+    p.add_argument("--dtype", choices=["keep", "bf16", "fp32"], default="keep",
+                   help="dcp-to-hf: dtype of the floating tensors written (default: as stored)")
+    p.add_argument("--max-shard-size", default="5GB", help="dcp-to-hf: bytes per safetensors shard (default 5GB)")
+    p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("demo", help="build the demo corpus and train the tiny MoE demo model on it")
     p.add_argument("--work-dir", default="runs", help="where the corpus and the run go (default: runs)")

@@ -69,6 +69,7 @@ class CheckpointConfig:
     every: int = 0  # save every N steps (0: only at the end)
     keep: int = 2  # keep the newest K complete checkpoints
     resume: str = "none"  # "none", "auto" (newest complete checkpoint) or a checkpoint path
+    init_from: str = ""  # a fresh run starts from these weights (`pithtrain convert hf-to-dcp` output)
     save_final: bool = True
 
 
@@ -108,7 +109,8 @@ class RunConfig:
 
 
 SECTIONS = [f.name for f in dataclasses.fields(RunConfig)]
-_PATH_KEYS = {("model", "config"), ("data", "corpus"), ("log", "run_dir"), ("checkpoint", "dir")}
+_PATH_KEYS = {("model", "config"), ("data", "corpus"), ("log", "run_dir"), ("checkpoint", "dir"),
+              ("checkpoint", "init_from")}
 
 
 def parse_value(text: str) -> Any:
@@ -258,6 +260,10 @@ def validate(cfg: RunConfig) -> None:
     res = cfg.checkpoint.resume
     if res not in ("none", "auto") and not os.path.isdir(res):
         raise ConfigError(f"checkpoint.resume = {res!r}: use 'none', 'auto' or an existing checkpoint directory")
+    init = cfg.checkpoint.init_from
+    if init and not os.path.isdir(init):
+        raise ConfigError(f"checkpoint.init_from = {init!r} is not a directory; name a checkpoint written by "
+                          f"`pithtrain convert hf-to-dcp` or by training")
     hf = cfg.model.hf
     for key in ("num_attention_heads", "num_key_value_heads"):
         if key in hf and (not isinstance(hf[key], int) or hf[key] < 1):

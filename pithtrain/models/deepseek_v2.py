@@ -43,8 +43,9 @@ def settings(hf: dict) -> dict:
     """The config with defaults filled in and checked; raises ValueError naming the field."""
     kind = hf.get("model_type")
     c = {**COMMON, **DEFAULTS[kind], **hf}
-    if "n_routed_experts" not in hf and "num_experts" in hf:
-        c["n_routed_experts"] = hf["num_experts"]
+    for alias in ("num_experts", "num_local_experts"):
+        if "n_routed_experts" not in hf and alias in hf:
+            c["n_routed_experts"] = hf[alias]
     missing = [k for k in REQUIRED if k not in c]
     if missing:
         raise ValueError(f"config.json of this {kind} model lacks the fields {missing}")

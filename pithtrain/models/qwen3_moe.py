@@ -30,7 +30,9 @@ def is_moe_layer(hf: dict, i: int) -> bool:
 def build(hf: dict, balance: BalanceOptions, layer_ids: list[int] | None = None) -> CausalLM:
     """The model of `hf` (a config.json dict); `layer_ids` picks a subset of layers (pipeline)."""
     c = {**DEFAULTS, **hf}
-    missing = [k for k in REQUIRED if k not in hf]
+    if "num_experts" not in c and "num_local_experts" in c:  # the name transformers 5 writes
+        c["num_experts"] = c["num_local_experts"]
+    missing = [k for k in REQUIRED if k not in c]
     if missing:
         raise ValueError(f"config.json of this Qwen3-MoE model lacks the fields {missing}")
     if c["hidden_act"] != "silu":

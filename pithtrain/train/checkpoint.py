@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -85,7 +86,7 @@ def set_rng_state(state: dict) -> None:
 
 
 @contextlib.contextmanager
-def _quiet():
+def quiet():
     """DCP warns when it runs without a process group, which is how a single process uses it."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is (disabled|not initialized).*")
@@ -94,8 +95,9 @@ def _quiet():
 
 
 def save(root: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         trainer_state: dict, keep: int) -> str:
-    """Write checkpoint `step` under `root` atomically and prune to the newest `keep`."""
+         trainer_state: dict, keep: int, hf_config: dict | None = None) -> str:
+    """Write checkpoint `step` under `root` atomically and prune to the newest `keep`.
+    `hf_config` (the model's config.json) is stored with it, so the checkpoint describes itself."""
     final = os.path.join(root, f"step-{step:08d}")
     tmp = os.path.join(root, f".tmp-step-{step:08d}")
     if _rank() == 0:
@@ -104,7 +106,7 @@ def save(root: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Op
         os.makedirs(tmp)
     _barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    with _quiet():
+    with quiet():
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
     fault_point("save-after-tensors", step)
     rng_path = os.path.join(tmp, f"rng-rank{_rank()}.pt")
@@ -114,21 +116,28 @@ def save(root: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Op
     _barrier()
     if _rank() == 0:
         _write_json(os.path.join(tmp, "trainer.json"), {"step": step, **trainer_state})
-        files = {name: os.path.getsize(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
+        if hf_config is not None:
+            _write_json(os.path.join(tmp, "config.json"), hf_config)
         fault_point("save-before-marker", step)
-        _write_json(os.path.join(tmp, MARKER), {"step": step, "files": files})
-        _fsync_dir(tmp)
-        if os.path.exists(final):  # the same step saved again (e.g. a rerun): replace it whole
-            old = os.path.join(root, f".old-step-{step:08d}")
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, final)
-        _fsync_dir(root)
+        finalize_dir(tmp, final, {"step": step})
         prune(root, keep)
     _barrier()
     return final
+
+
+def finalize_dir(tmp: str, final: str, info: dict) -> None:
+    """Mark the finished directory `tmp` complete (file list with sizes) and move it to `final`."""
+    files = {name: os.path.getsize(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
+    _write_json(os.path.join(tmp, MARKER), {**info, "files": files})
+    _fsync_dir(tmp)
+    if os.path.exists(final):  # the same step saved again (e.g. a rerun): replace it whole
+        old = os.path.join(os.path.dirname(final), f".old-{os.path.basename(final)}")
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(os.path.dirname(os.path.abspath(final)))
 
 
 def verify(path: str) -> dict:
@@ -190,16 +199,57 @@ def latest(root: str) -> str | None:
     return found[-1][1] if found else None
 
 
+def stored_tensors(path: str) -> dict[str, tuple[tuple, torch.dtype]]:
+    """The model tensors of checkpoint `path` -> (shape, dtype), read from its metadata only."""
+    try:
+        meta = dcp.FileSystemReader(path).read_metadata()
+    except Exception as e:  # missing or unreadable .metadata
+        raise CheckpointError(f"{path} is not a readable DCP checkpoint: {e}") from None
+    return {k.removeprefix("model."): (tuple(v.size), v.properties.dtype)
+            for k, v in meta.state_dict_metadata.items() if k.startswith("model.") and hasattr(v, "size")}
+
+
+def check_tensors(path: str, have: dict[str, tuple], want: dict[str, tuple]) -> None:
+    """Raise a CheckpointError naming every tensor whose shape differs, that is missing or extra."""
+    lines = []
+    mismatched = [f"{n}: checkpoint {list(have[n])}, model {list(s)}" for n, s in want.items()
+                  if n in have and tuple(have[n]) != tuple(s)]
+    missing, unexpected = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+    if mismatched:
+        lines.append("shapes differ:\n  " + "\n  ".join(mismatched[:20]))
+    for what, names in (("missing", missing), ("unexpected", unexpected)):
+        if names:
+            lines.append(f"{what} tensors ({len(names)}): " + ", ".join(names[:20]) + (" ..." if len(names) > 20 else ""))
+    if lines:
+        raise CheckpointError(f"checkpoint {path} does not match the model (check model.config and its "
+                              f"overrides):\n" + "\n".join(lines))
+
+
+def load_weights(path: str, model: torch.nn.Module) -> None:
+    """Load only the model weights of `path`: a converted Hugging Face checkpoint or a training one."""
+    verify(path)
+    state = get_model_state_dict(model)
+    stored = stored_tensors(path)
+    if "lm_head.weight" not in stored and model.lm_head.weight is model.model.embed_tokens.weight:
+        state.pop("lm_head.weight")  # tied: the embedding is the head
+    check_tensors(path, {n: s for n, (s, _) in stored.items()}, {n: t.shape for n, t in state.items()})
+    with quiet():
+        dcp.load({"model": state}, checkpoint_id=path)
+    set_model_state_dict(model, state, options=StateDictOptions(strict=False))
+
+
 def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
     """Load model (and optimizer) state from checkpoint `path`; return its trainer state."""
     verify(path)
+    stored = {n: s for n, (s, _) in stored_tensors(path).items()}
+    check_tensors(path, stored, {n: t.shape for n, t in get_model_state_dict(model).items()})
     if optimizer is None:
         state = {"model": get_model_state_dict(model)}
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
     try:
-        with _quiet():
+        with quiet():
             dcp.load(state, checkpoint_id=path)
     except Exception as e:
         raise CheckpointError(f"checkpoint {path} does not match this model and optimizer: {e}") from None

@@ -150,11 +150,15 @@ def train(cfg: RunConfig) -> dict:
         state = checkpoint.load(path, model, optimizer)
         start = state["step"]
         sampler.load_state_dict(state["data"])
+    elif cfg.checkpoint.init_from:
+        checkpoint.load_weights(cfg.checkpoint.init_from, model)
     log = RunLog(cfg.log.run_dir, cfg.train.steps, start, progress=cfg.log.progress,
                  tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb, wandb_project=cfg.log.wandb_project,
                  config=cfg.to_dict())
     if path is not None:
         log.say(f"resumed from {path} at step {start}")
+    elif cfg.checkpoint.init_from:
+        log.say(f"initialised from the weights of {cfg.checkpoint.init_from}")
     n_micro = d.global_batch_size // d.micro_batch_size
     last, tokens_since, t_since = {}, 0, time.perf_counter()
     run_tokens, run_time = 0, 0.0
@@ -193,7 +197,7 @@ def train(cfg: RunConfig) -> dict:
         if (every and done % every == 0) or (is_last and cfg.checkpoint.save_final):
             t_save = time.perf_counter()
             checkpoint.save(ckpt_dir, done, model, optimizer, {"data": sampler.state_dict(), "lr": lr},
-                            cfg.checkpoint.keep)
+                            cfg.checkpoint.keep, hf_config=cfg.model.hf)
             t_since += time.perf_counter() - t_save  # nor is saving
     log.close()
     summary = {"run_dir": cfg.log.run_dir, "steps": cfg.train.steps, "start_step": start}

@@ -1,0 +1,340 @@
+"""Hugging Face safetensors folders <-> PithTrain DCP checkpoints (`pithtrain convert`).
+
+`hf_to_dcp(src, out)`: reads `src/config.json` and the safetensors shards (with or without
+`model.safetensors.index.json`), maps every tensor to our parameter names and writes a DCP
+checkpoint `out/` holding `model.*` only (plus config.json, tokenizer files, complete.json), which
+`checkpoint.init_from` loads into any layout. Tensors are read one at a time from memory-mapped
+shards while DCP writes them (`_LazySavePlanner`), so memory holds about one tensor, never the
+model. Dtypes are kept as stored; MXFP4 experts (GPT-OSS) become bf16.
+
+`dcp_to_hf(ckpt, out)`: the reverse, from a converted or a training checkpoint, a group of
+tensors up to `max_shard_bytes` at a time: sharded safetensors, `model.safetensors.index.json`,
+config.json and tokenizer files, loadable by `transformers.AutoModelForCausalLM.from_pretrained`.
+
+Name mapping (ours = transformers' in-memory names):
+- everything but routed experts: same name;
+- Qwen3-MoE / DeepSeek experts: hub checkpoints store each expert (`...experts.{e}.gate_proj.weight`,
+  `up_proj`, `down_proj`); ours stack them (`gate_up_proj` [E, 2I, H] = [gate; up], `down_proj`);
+  export writes the per-expert form;
+- GPT-OSS experts: `gate_up_proj_blocks` / `_scales` (MXFP4) are dequantized and transposed to our
+  [E, H, 2I]; bf16 checkpoints already use our names, and export writes those.
+Ignored on import: `rotary_emb.inv_freq` buffers and DeepSeek-V3's multi-token-prediction layers
+(indices >= num_hidden_layers), which transformers ignores too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from pithtrain.models import build_model
+from pithtrain.train.checkpoint import CheckpointError, check_tensors, finalize_dir, quiet, stored_tensors, verify
+
+TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json"]
+ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+                 "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+          "U8": torch.uint8, "I8": torch.int8, "I32": torch.int32, "I64": torch.int64}
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
+    """MXFP4 -> `dtype`. blocks [..., G, 16] uint8 hold 32 FP4 (e2m1) values per group, the low
+    nibble first; scales [..., G] uint8 are the groups' power-of-two exponents biased by 127.
+    Returns [..., G * 32]. Every result is exact in bf16."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1).flatten(-2)
+    values = torch.ldexp(values, (scales.to(torch.int32) - 127)[..., None].float())
+    return values.flatten(-2).to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading a Hugging Face folder
+
+
+class SafetensorsFolder:
+    """The tensors of a HF folder by name, read one at a time from memory-mapped shards."""
+
+    def __init__(self, folder: str):
+        from safetensors import safe_open
+
+        self.folder, self._open, self._handles = folder, safe_open, {}
+        index = os.path.join(folder, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                self.files = json.load(f)["weight_map"]
+        else:
+            shards = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+            if not shards:
+                raise CheckpointError(f"{folder} holds no .safetensors files")
+            self.files = {name: shard for shard in shards for name in self._handle(shard).keys()}
+        missing = sorted({s for s in self.files.values() if not os.path.isfile(os.path.join(folder, s))})
+        if missing:
+            raise CheckpointError(f"{folder}: the index names shards that are not there: {missing}")
+
+    def _handle(self, shard: str):
+        if shard not in self._handles:
+            self._handles[shard] = self._open(os.path.join(self.folder, shard), framework="pt")
+        return self._handles[shard]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(self.files[name]).get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        code = self._handle(self.files[name]).get_slice(name).get_dtype()
+        if code not in DTYPES:
+            raise CheckpointError(f"{name}: dtype {code} is not supported")
+        return DTYPES[code]
+
+    def read(self, name: str) -> torch.Tensor:
+        return self._handle(self.files[name]).get_tensor(name)
+
+
+class _Source:
+    """How one of our tensors is made from HF tensors: `names` read, `make()` builds it."""
+
+    def __init__(self, names: list[str], shape: tuple, dtype: torch.dtype, make):
+        self.names, self.shape, self.dtype, self.make = names, shape, dtype, make
+
+
+def _source(name: str, want: tuple, hf: SafetensorsFolder, transposed: bool) -> _Source | None:
+    if name in hf:
+        return _Source([name], hf.shape(name), hf.dtype(name), lambda: hf.read(name))
+    m = EXPERTS.match(name)
+    if m is None:
+        return None
+    prefix, which = m.groups()
+    if f"{name}_blocks" in hf and f"{name}_scales" in hf:  # GPT-OSS MXFP4
+        blocks, scales = f"{name}_blocks", f"{name}_scales"
+        E, rows, G, _ = hf.shape(blocks)
+
+        def dequantized():
+            b, s = hf.read(blocks), hf.read(scales)
+            out = torch.empty(E, G * 32, rows, dtype=torch.bfloat16)
+            for e in range(E):
+                out[e] = dequantize_mxfp4(b[e], s[e]).T
+            return out
+
+        return _Source([blocks, scales], (E, G * 32, rows), torch.bfloat16, dequantized)
+    if transposed:
+        return None
+    parts = ["gate_proj", "up_proj"] if which == "gate_up_proj" else ["down_proj"]
+    names = [f"{prefix}.{e}.{p}.weight" for e in range(want[0]) for p in parts]
+    if not all(n in hf for n in names):
+        return None
+    first = hf.shape(names[0])
+    shape = (want[0], first[0] * len(parts), first[1])
+
+    def stacked():
+        out = torch.empty(shape, dtype=hf.dtype(names[0]))
+        for i, n in enumerate(names):
+            e, p = divmod(i, len(parts))
+            out[e, p * first[0]:(p + 1) * first[0]] = hf.read(n)
+        return out
+
+    return _Source(names, shape, hf.dtype(names[0]), stacked)
+
+
+def _ignored(name: str, hf_config: dict) -> bool:
+    if name.endswith("rotary_emb.inv_freq"):
+        return True
+    m = re.match(r"^model\.layers\.(\d+)\.", name)
+    return hf_config.get("model_type") == "deepseek_v3" and m is not None and \
+        int(m.group(1)) >= hf_config["num_hidden_layers"]
+
+
+def expected_tensors(hf_config: dict) -> dict[str, tuple[tuple, bool]]:
+    """Our state-dict names -> (shape, experts transposed) for this config, on the meta device.
+    A tied lm_head is left out: it is the embedding."""
+    with torch.device("meta"):
+        model = build_model(hf_config)
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    out = {}
+    for mod_name, module in model.named_modules():
+        transposed = getattr(module, "transposed", False)
+        for t_name, t in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+            full = f"{mod_name}.{t_name}" if mod_name else t_name
+            if t_name in module._non_persistent_buffers_set or (tied and full == "lm_head.weight"):
+                continue
+            out.setdefault(full, (tuple(t.shape), transposed))
+    return out
+
+
+def read_hf_config(folder: str) -> dict:
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{folder} has no config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    quant = (cfg.get("quantization_config") or {}).get("quant_method")
+    if quant not in (None, "mxfp4"):
+        raise CheckpointError(f"{path}: quantization {quant!r} is not supported; convert a bf16/fp32 checkpoint "
+                              f"(MXFP4 GPT-OSS experts are dequantized on import)")
+    return cfg
+
+
+def plan_import(src: str, hf_config: dict) -> dict[str, _Source]:
+    """Our name -> source, after checking that the folder has exactly the tensors of the config."""
+    hf = SafetensorsFolder(src)
+    sources, missing, mismatched, used = {}, [], [], set()
+    for name, (shape, transposed) in expected_tensors(hf_config).items():
+        s = _source(name, shape, hf, transposed)
+        if s is None:
+            missing.append(name)
+            continue
+        used.update(s.names)
+        if tuple(s.shape) != shape:
+            mismatched.append(f"{name}: checkpoint {list(s.shape)}, config.json {list(shape)}")
+        sources[name] = s
+    tied_head = hf_config.get("tie_word_embeddings") and "lm_head.weight" in hf
+    unexpected = sorted(n for n in hf.files if n not in used and not _ignored(n, hf_config)
+                        and not (tied_head and n == "lm_head.weight"))
+    problems = []
+    if mismatched:
+        problems.append("shapes differ from config.json:\n  " + "\n  ".join(mismatched))
+    if missing:
+        problems.append(f"missing tensors ({len(missing)}): " + ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else ""))
+    if unexpected:
+        problems.append(f"unexpected tensors ({len(unexpected)}): " + ", ".join(unexpected[:20])
+                        + (" ..." if len(unexpected) > 20 else ""))
+    if problems:
+        raise CheckpointError(f"{src} does not match its config.json ({hf_config.get('model_type')}):\n"
+                              + "\n".join(problems))
+    return sources
+
+
+class _LazySavePlanner(DefaultSavePlanner):
+    """DCP planner over meta-tensor placeholders: each tensor is made when DCP writes it."""
+
+    def __init__(self, sources: dict[str, _Source]):
+        super().__init__()
+        self.sources = sources
+
+    def resolve_data(self, write_item):
+        return self.sources[write_item.index.fqn.removeprefix("model.")].make()
+
+
+def _fresh_output(out: str) -> str:
+    if os.path.exists(out):
+        raise CheckpointError(f"{out} already exists; choose a new output directory (nothing was written)")
+    tmp = os.path.join(os.path.dirname(os.path.abspath(out)), f".partial-{os.path.basename(os.path.abspath(out))}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    return tmp
+
+
+def _copy_tokenizer(src: str | None, dst: str) -> list[str]:
+    if src is None:
+        return []
+    found = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(src, n))]
+    for n in found:
+        shutil.copy2(os.path.join(src, n), os.path.join(dst, n))
+    return found
+
+
+def hf_to_dcp(src: str, out: str, tokenizer: str | None = None) -> dict:
+    """Convert a Hugging Face folder to a DCP checkpoint at `out` (which must not exist)."""
+    hf_config = read_hf_config(src)
+    sources = plan_import(src, hf_config)
+    tmp = _fresh_output(out)
+    state = {"model": {n: torch.empty(s.shape, dtype=s.dtype, device="meta") for n, s in sources.items()}}
+    with quiet():
+        dcp.save(state, checkpoint_id=tmp, planner=_LazySavePlanner(sources))
+    hf_config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2)
+    copied = _copy_tokenizer(tokenizer or src, tmp)
+    finalize_dir(tmp, out, {"source": os.path.abspath(src), "tensors": len(sources)})
+    return {"tensors": len(sources), "tokenizer_files": copied}
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing a Hugging Face folder
+
+
+def check_against_config(ckpt: str, hf_config: dict) -> dict[str, tuple[tuple, torch.dtype]]:
+    """The checkpoint's model tensors (shape, dtype), checked against the model of `hf_config`."""
+    have = stored_tensors(ckpt)
+    if hf_config.get("tie_word_embeddings"):
+        have.pop("lm_head.weight", None)
+    check_tensors(ckpt, {n: s for n, (s, _) in have.items()},
+                  {n: s for n, (s, _) in expected_tensors(hf_config).items()})
+    return have
+
+
+def _hub_tensors(name: str, t: torch.Tensor, transposed: bool) -> dict[str, torch.Tensor]:
+    m = EXPERTS.match(name)
+    if m is None or transposed:
+        return {name: t}
+    prefix, which = m.groups()
+    if which == "down_proj":
+        return {f"{prefix}.{e}.down_proj.weight": t[e] for e in range(t.shape[0])}
+    half = t.shape[1] // 2
+    out = {}
+    for e in range(t.shape[0]):
+        out[f"{prefix}.{e}.gate_proj.weight"] = t[e, :half]
+        out[f"{prefix}.{e}.up_proj.weight"] = t[e, half:]
+    return out
+
+
+def dcp_to_hf(ckpt: str, out: str, hf_config: dict | None = None, tokenizer: str | None = None,
+              dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30) -> dict:
+    """Convert DCP checkpoint `ckpt` to a Hugging Face folder `out` (which must not exist).
+
+    `hf_config` defaults to `ckpt/config.json`; `dtype` (default: as stored) casts floating tensors.
+    """
+    from safetensors.torch import save_file
+
+    verify(ckpt)
+    if hf_config is None:
+        hf_config = read_hf_config(ckpt)
+    have = check_against_config(ckpt, hf_config)
+    layout = {n: transposed for n, (_, transposed) in expected_tensors(hf_config).items()}
+    names = list(layout)
+    out_dtype = {n: dtype if dtype is not None and have[n][1].is_floating_point else have[n][1] for n in names}
+    shards, size = [[]], 0
+    for n in names:
+        nbytes = torch.Size(have[n][0]).numel() * out_dtype[n].itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(n)
+        size += nbytes
+    tmp = _fresh_output(out)
+    weight_map, total = {}, 0
+    for i, group in enumerate(shards):
+        state = {"model": {n: torch.empty(have[n][0], dtype=have[n][1]) for n in group}}
+        with quiet():
+            dcp.load(state, checkpoint_id=ckpt)
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {}
+        for n in group:
+            for hub, t in _hub_tensors(n, state["model"][n].to(out_dtype[n]), layout[n]).items():
+                tensors[hub] = t.contiguous()
+                weight_map[hub] = file
+                total += t.numel() * t.element_size()
+        save_file(tensors, os.path.join(tmp, file), metadata={"format": "pt"})
+        del state, tensors
+    with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+    config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
+    config.setdefault("architectures", [ARCHITECTURES[config["model_type"]]])
+    stored = {t for n, t in out_dtype.items() if t.is_floating_point}
+    if len(stored) == 1:
+        config["torch_dtype"] = config["dtype"] = str(stored.pop()).removeprefix("torch.")
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    copied = _copy_tokenizer(tokenizer or ckpt, tmp)
+    os.replace(tmp, out)
+    return {"shards": len(shards), "tensors": len(weight_map), "tokenizer_files": copied}

@@ -1,0 +1,207 @@
+"""`pithtrain convert`: Hugging Face safetensors <-> DCP for every model family.
+
+Checked here: MXFP4 dequantization against transformers' own; HF -> DCP -> HF is bit-exact
+(names, dtypes, values) in bf16 and fp32; `AutoModelForCausalLM.from_pretrained` loads the export
+and gives our model's logits; tensors are made one at a time on import; bad checkpoints name
+the tensors that are wrong; an existing output is never written over.
+"""
+
+import gc
+import json
+import os
+import weakref
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+from conftest import TINY_MODEL, run_cli  # noqa: E402
+from test_hf_parity import CASES, hf_model, random_model, rel  # noqa: E402
+from pithtrain.models import build_model  # noqa: E402
+from pithtrain.train import checkpoint, hf  # noqa: E402
+from pithtrain.train.checkpoint import CheckpointError  # noqa: E402
+
+FAMILIES = ["qwen3-tied-unnormed", "deepseek_v2-q_lora-group_limited", "deepseek_v3", "gpt_oss"]
+
+
+def save_hf(case, folder, dtype=torch.float32):
+    """A transformers model with our random weights saved in several shards; returns (ours, theirs).
+    `case` names a config of test_hf_parity or is one."""
+    cfg = CASES[case] if isinstance(case, str) else case
+    ours = random_model(cfg)
+    theirs = hf_model(cfg)
+    theirs.load_state_dict(ours.state_dict())
+    theirs.to(dtype).save_pretrained(folder, max_shard_size="40KB")
+    return ours, theirs
+
+
+def read_folder(folder) -> dict[str, torch.Tensor]:
+    out = {}
+    for name in os.listdir(folder):
+        if name.endswith(".safetensors"):
+            out.update(safetensors_torch.load_file(os.path.join(folder, name)))
+    return out
+
+
+def test_mxfp4_dequantization_matches_transformers():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    known = torch.tensor([[[0x21] * 16]], dtype=torch.uint8)  # low nibble 1 (0.5), high nibble 2 (1.0)
+    assert torch.equal(hf.dequantize_mxfp4(known, torch.tensor([[128]], dtype=torch.uint8)).float(),
+                       torch.tensor([[1.0, 2.0] * 16]))  # scale 2^(128-127)
+    assert torch.equal(hf.dequantize_mxfp4(torch.tensor([[[0xF8] * 16]], dtype=torch.uint8),
+                                           torch.tensor([[125]], dtype=torch.uint8)).float(),
+                       torch.tensor([[-0.0, -6.0 / 4] * 16]))  # nibbles 8 (-0) and 15 (-6), scale 2^-2
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 5, 2, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(117, 137, (3, 5, 2), generator=g, dtype=torch.uint8)
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)  # [E, G*32, rows]
+    ours = hf.dequantize_mxfp4(blocks, scales)  # [E, rows, G*32]
+    assert torch.equal(ours.transpose(1, 2), theirs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("case", FAMILIES)
+def test_round_trip_is_bit_exact_and_loads_in_transformers(case, dtype, tmp_path):
+    src, ckpt, out = tmp_path / "hf", tmp_path / "dcp", tmp_path / "export"
+    ours, _ = save_hf(case, src, dtype)
+    assert len([n for n in os.listdir(src) if n.endswith(".safetensors")]) > 1
+    hf.hf_to_dcp(str(src), str(ckpt))
+    hf.dcp_to_hf(str(ckpt), str(out), max_shard_bytes=64 * 1024)
+    before, after = read_folder(src), read_folder(out)
+    assert sorted(before) == sorted(after)
+    for name, t in before.items():
+        assert after[name].dtype == t.dtype and torch.equal(after[name], t), name
+    index = json.load(open(out / "model.safetensors.index.json"))
+    assert set(index["weight_map"]) == set(after) and len(set(index["weight_map"].values())) > 1
+
+    loaded = build_model(CASES[case])
+    checkpoint.load_weights(str(ckpt), loaded)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32,
+                                                               attn_implementation="eager")
+    ids = torch.randint(0, CASES[case]["vocab_size"], (2, 16))
+    with torch.no_grad():
+        assert rel(loaded(ids), theirs(input_ids=ids).logits) < 1e-5
+    if dtype == torch.float32:  # nothing was rounded: the weights are the original ones
+        for name, p in ours.state_dict().items():
+            assert torch.equal(loaded.state_dict()[name], p), name
+
+
+def test_import_makes_one_tensor_at_a_time(tmp_path, monkeypatch):
+    src = tmp_path / "hf"
+    save_hf("deepseek_v3", src)
+    made, most_alive = [], [0]
+    original = hf._LazySavePlanner.resolve_data
+
+    def tracked(self, item):
+        gc.collect()
+        most_alive[0] = max(most_alive[0], sum(r() is not None for r in made))
+        t = original(self, item)
+        made.append(weakref.ref(t))
+        return t
+
+    monkeypatch.setattr(hf._LazySavePlanner, "resolve_data", tracked)
+    hf.hf_to_dcp(str(src), str(tmp_path / "dcp"))
+    assert len(made) > 20 and most_alive[0] <= 1
+
+
+def test_mxfp4_checkpoint_is_dequantized_on_import(tmp_path):
+    """A GPT-OSS folder whose experts are MXFP4, as released: blocks and scales per projection."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    src, model_cfg = tmp_path / "hf", dict(CASES["gpt_oss"], intermediate_size=64)  # MXFP4 packs 32 values
+    save_hf(model_cfg, src)
+    cfg = dict(json.load(open(src / "config.json")), quantization_config={"quant_method": "mxfp4"})
+    json.dump(cfg, open(src / "config.json", "w"))
+    tensors, g = read_folder(src), torch.Generator().manual_seed(1)
+    expected = {}
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        E, cols, rows = tensors.pop(name).shape  # ours: [E, in, out]; MXFP4 packs along `in`
+        blocks = torch.randint(0, 256, (E, rows, cols // 32, 16), generator=g, dtype=torch.uint8)
+        scales = torch.randint(120, 130, (E, rows, cols // 32), generator=g, dtype=torch.uint8)
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+        expected[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
+    for name in os.listdir(src):
+        if name.endswith(".safetensors") or name.endswith(".index.json"):
+            os.remove(src / name)
+    safetensors_torch.save_file(tensors, str(src / "model.safetensors"))
+    hf.hf_to_dcp(str(src), str(tmp_path / "dcp"))
+    stored = checkpoint.stored_tensors(str(tmp_path / "dcp"))
+    model = build_model(model_cfg)
+    checkpoint.load_weights(str(tmp_path / "dcp"), model)
+    params = dict(model.named_parameters())
+    for name, want in expected.items():
+        assert stored[name][1] == torch.bfloat16
+        assert torch.equal(params[name].to(torch.bfloat16), want), name
+    assert "quantization_config" not in json.load(open(tmp_path / "dcp" / "config.json"))
+
+
+def test_bad_checkpoints_name_the_tensors(tmp_path):
+    src = tmp_path / "hf"
+    save_hf("qwen3", src)
+    shard = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))[0]
+    tensors = safetensors_torch.load_file(str(src / shard))
+    dropped = sorted(tensors)[0]
+    del tensors[dropped]
+    tensors["model.layers.0.extra.weight"] = torch.zeros(2)
+    safetensors_torch.save_file(tensors, str(src / shard))
+    index = json.load(open(src / "model.safetensors.index.json"))
+    index["weight_map"].pop(dropped)
+    index["weight_map"]["model.layers.0.extra.weight"] = shard
+    json.dump(index, open(src / "model.safetensors.index.json", "w"))
+    with pytest.raises(CheckpointError) as e:
+        hf.hf_to_dcp(str(src), str(tmp_path / "dcp"))
+    assert "missing tensors" in str(e.value) and "model.layers.0.extra.weight" in str(e.value)
+    assert not (tmp_path / "dcp").exists()
+
+    src2 = tmp_path / "hf2"
+    save_hf("qwen3", src2)
+    cfg = json.load(open(src2 / "config.json"))
+    json.dump(dict(cfg, moe_intermediate_size=24), open(src2 / "config.json", "w"))
+    with pytest.raises(CheckpointError, match=r"experts.gate_up_proj: checkpoint \[6, 32, 32\], config.json \[6, 48, 32\]"):
+        hf.hf_to_dcp(str(src2), str(tmp_path / "dcp"))
+
+    json.dump(cfg, open(src2 / "config.json", "w"))
+    hf.hf_to_dcp(str(src2), str(tmp_path / "dcp"))
+    wrong = build_model(dict(CASES["qwen3"], num_experts=8))
+    with pytest.raises(CheckpointError, match=r"mlp.gate.weight: checkpoint \[6, 32\], model \[8, 32\]"):
+        checkpoint.load_weights(str(tmp_path / "dcp"), wrong)
+    with pytest.raises(CheckpointError, match="already exists"):
+        hf.hf_to_dcp(str(src2), str(tmp_path / "dcp"))
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "keep.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="already exists"):
+        hf.dcp_to_hf(str(tmp_path / "dcp"), str(tmp_path / "export"))
+    assert os.listdir(tmp_path / "export") == ["keep.txt"]
+
+
+def test_cli_convert_and_train_from_converted_weights(tiny_corpus, tmp_path):
+    """hf-to-dcp, a short run from those weights, and the run's checkpoint exported back in bf16."""
+    from conftest import write_run
+
+    src = tmp_path / "hf"
+    model = random_model(dict(TINY_MODEL))
+    theirs = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        **{k: v for k, v in TINY_MODEL.items() if k != "model_type"}))
+    theirs.load_state_dict(model.state_dict())
+    theirs.save_pretrained(src)
+    (src / "tokenizer.json").write_text(open(os.path.join(tiny_corpus, "tokenizer.json")).read())
+    run_cli("convert", "hf-to-dcp", str(src), str(tmp_path / "dcp"))
+    assert os.path.isfile(tmp_path / "dcp" / "tokenizer.json")
+    r = run_cli("convert", "hf-to-dcp", str(src), str(tmp_path / "dcp"), check=False)
+    assert r.returncode == 2 and "already exists" in r.stderr
+
+    toml = write_run(tmp_path, tiny_corpus)
+    r = run_cli("train", str(toml), "train.steps=2", f"checkpoint.init_from={tmp_path / 'dcp'}")
+    assert "initialised from the weights of" in r.stdout + r.stderr
+    step = checkpoint.latest(str(tmp_path / "run" / "checkpoints"))
+    run_cli("convert", "dcp-to-hf", step, str(tmp_path / "export"), "--dtype", "bf16", "--tokenizer", str(src))
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"))
+    assert back.dtype == torch.bfloat16 and os.path.isfile(tmp_path / "export" / "tokenizer.json")
+    trained = build_model(dict(TINY_MODEL))
+    checkpoint.load_weights(step, trained)
+    moved = (trained.model.embed_tokens.weight - model.model.embed_tokens.weight).abs().max()
+    assert 0 < moved < 0.1  # trained two steps from the converted weights, not from scratch
+    assert torch.equal(back.model.embed_tokens.weight, trained.model.embed_tokens.weight.to(torch.bfloat16))
