@@ -226,7 +226,21 @@ def build_config(raw: dict) -> RunConfig:
         hf[key] = _hf_override(key, hf, value)
     cfg.model.hf = hf
     validate(cfg)
+    check_model(hf, cfg.model.config)
     return cfg
+
+
+def check_model(hf: dict, path: str) -> None:
+    """Build the model on the meta device, so that a bad model config fails here, by name."""
+    import torch
+
+    from pithtrain.models import build_model
+
+    try:
+        with torch.device("meta"):
+            build_model(hf)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"model ({path} with its model.* overrides): {e}") from None
 
 
 def validate(cfg: RunConfig) -> None:

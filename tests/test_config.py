@@ -7,7 +7,7 @@ from pithtrain.config import ConfigError, load_config
 
 HF = {"model_type": "qwen3_moe", "vocab_size": 128, "hidden_size": 32, "num_attention_heads": 4,
       "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 512,
-      "rope_theta": 10000.0}
+      "rope_theta": 10000.0, "intermediate_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 2}
 
 
 @pytest.fixture
@@ -65,3 +65,15 @@ def test_missing_model_config(tmp_path):
     p.write_text('[model]\nconfig = "nope.json"\n')
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(str(p))
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("model_type", "llama", "model_type 'llama' in config.json is not supported"),
+    ("hidden_act", "gelu", "only 'silu'|supports 'silu' only"),
+    ("num_experts_per_tok", 9, "exceeds model.num_experts"),
+])
+def test_bad_model_config_is_a_config_error(tmp_path, field, value, message):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**HF, field: value}))
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [f"model.config={path}"])

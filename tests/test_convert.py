@@ -205,3 +205,18 @@ def test_cli_convert_and_train_from_converted_weights(tiny_corpus, tmp_path):
     moved = (trained.model.embed_tokens.weight - model.model.embed_tokens.weight).abs().max()
     assert 0 < moved < 0.1  # trained two steps from the converted weights, not from scratch
     assert torch.equal(back.model.embed_tokens.weight, trained.model.embed_tokens.weight.to(torch.bfloat16))
+
+
+def test_deepseek_v3_prediction_layers_are_ignored_on_import(tmp_path):
+    """DeepSeek-V3 releases carry multi-token-prediction layers past num_hidden_layers; transformers
+    ignores them, and so does the import (an extra tensor elsewhere is still an error)."""
+    src = tmp_path / "hf"
+    save_hf("deepseek_v3", src)
+    extra = {"model.layers.3.eh_proj.weight": torch.zeros(4, 4), "model.layers.3.enorm.weight": torch.ones(4)}
+    safetensors_torch.save_file(extra, str(src / "mtp.safetensors"))
+    index = json.load(open(src / "model.safetensors.index.json"))
+    index["weight_map"].update({n: "mtp.safetensors" for n in extra})
+    json.dump(index, open(src / "model.safetensors.index.json", "w"))
+    info = hf.hf_to_dcp(str(src), str(tmp_path / "dcp"))
+    assert not any(n.startswith("model.layers.3.") for n in checkpoint.stored_tensors(str(tmp_path / "dcp")))
+    assert info["tensors"] == len(checkpoint.stored_tensors(str(tmp_path / "dcp")))

@@ -113,6 +113,7 @@ def test_family_on_cuda(case):
     from test_hf_parity import CASES, random_model
 
     cfg = dict(CASES[case], num_hidden_layers=4)
+    cfg.pop("layer_types", None)  # GPT-OSS: the default, alternating
     cpu = random_model(cfg)
     ids = torch.randint(0, cfg["vocab_size"], (2, 64))
     labels = torch.randint(0, cfg["vocab_size"], (2, 64))
@@ -127,13 +128,13 @@ def test_family_on_cuda(case):
     grads = dict(cpu.named_parameters())
     for name, p in gpu.named_parameters():
         assert rel(p.grad.cpu(), grads[name].grad) < 1e-3, name
-    opt = torch.optim.AdamW(gpu.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(gpu.parameters(), lr=1e-2)
     first = None
-    for _ in range(20):
+    for _ in range(30):  # fp32 on CPU: 4.7 -> 0.3 (DeepSeek-V2), 0.05 (V3)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = gpu(ids.cuda(), labels=labels.cuda()) / labels.numel()
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         first = loss.item() if first is None else first
-    assert torch.isfinite(loss) and loss.item() < 0.7 * first
+    assert torch.isfinite(loss) and loss.item() < 0.5 * first

@@ -2,7 +2,8 @@
 
 GQA attention with biases on q/k/v/o, YaRN and one learned sink logit per head; layers follow
 `layer_types`: `sliding_attention` (a causal window of `sliding_window` tokens) or
-`full_attention` (alternating, sliding first, by default). Every layer is an MoE block: a router
+`full_attention` (alternating, sliding first, by default; with `num_hidden_layers` set below
+the length of `layer_types`, the first layers'). Every layer is an MoE block: a router
 with a bias that takes the top-k logits and softmaxes over those k, and experts with biases in
 the transposed layout (gate_up_proj [E, H, 2I], down_proj [E, I, H]) whose activation is the
 clamped SwiGLU on interleaved gate/up columns (`ops/swiglu.py`, alpha `swiglu_alpha`, limit
@@ -44,6 +45,7 @@ def settings(hf: dict) -> dict:
     L = c["num_hidden_layers"]
     if c["layer_types"] is None:
         c["layer_types"] = [LAYER_TYPES[i % 2] for i in range(L)]
+    c["layer_types"] = c["layer_types"][:L]  # fewer layers (a proxy): the first L of the model
     bad = sorted(set(c["layer_types"]) - set(LAYER_TYPES))
     if len(c["layer_types"]) != L or bad:
         raise ValueError(f"model.layer_types must list {L} entries of {list(LAYER_TYPES)}"

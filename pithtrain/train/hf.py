@@ -157,8 +157,11 @@ def _ignored(name: str, hf_config: dict) -> bool:
 def expected_tensors(hf_config: dict) -> dict[str, tuple[tuple, bool]]:
     """Our state-dict names -> (shape, experts transposed) for this config, on the meta device.
     A tied lm_head is left out: it is the embedding."""
-    with torch.device("meta"):
-        model = build_model(hf_config)
+    try:
+        with torch.device("meta"):
+            model = build_model(hf_config)
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"config.json does not describe a supported model: {e}") from None
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     out = {}
     for mod_name, module in model.named_modules():
