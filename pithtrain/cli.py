@@ -17,7 +17,8 @@ def cmd_train(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     summary = train(cfg)
-    print_summary(summary)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print_summary(summary)
     return 0
 
 
@@ -98,7 +99,8 @@ def cmd_demo(args) -> int:
         raise ConfigError(f"{toml} not found: run the demo from a source checkout (or `pip install -e .`)")
     cfg = load_config(toml, overrides + args.overrides)
     summary = train(cfg)
-    print_summary(summary)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print_summary(summary)
     return 0
 
 

@@ -64,6 +64,16 @@ class MoEConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Degrees of parallelism; dp is what the world size leaves (see `parallel/mesh.py`)."""
+
+    pp: int = 1  # pipeline stages
+    cp: int = 1  # context parallel: ranks that split each sequence (ring attention)
+    ep: int = 1  # expert parallel: ranks that split the routed experts
+    dp_replicate: int = 1  # HSDP: replicas of the FSDP-sharded model (e.g. one per node); 1: plain FSDP
+
+
+@dataclass
 class CheckpointConfig:
     dir: str = ""  # default: <run_dir>/checkpoints
     every: int = 0  # save every N steps (0: only at the end)
@@ -97,6 +107,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
 

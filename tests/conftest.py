@@ -14,6 +14,33 @@ TINY_MODEL = dict(model_type="qwen3_moe", vocab_size=512, hidden_size=32, interm
                   max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
 
 
+# Tiny configs of each family (the HF parity cases build on them; distributed tests widen the vocab).
+QWEN3 = dict(model_type="qwen3_moe", vocab_size=97, hidden_size=32, intermediate_size=48,
+             moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=8, num_experts=6, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+             mlp_only_layers=[1], max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-6,
+             tie_word_embeddings=False)
+YARN = {"type": "yarn", "factor": 40.0, "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1,
+        "original_max_position_embeddings": 16}
+DEEPSEEK_V2 = dict(model_type="deepseek_v2", vocab_size=97, hidden_size=32, intermediate_size=48,
+                   moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                   q_lora_rank=None, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+                   n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=3, first_k_dense_replace=1,
+                   topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False,
+                   max_position_embeddings=640, rope_theta=10000.0, rope_scaling=YARN, rms_norm_eps=1e-6,
+                   tie_word_embeddings=False, initializer_range=0.1)
+DEEPSEEK_V3 = dict(DEEPSEEK_V2, model_type="deepseek_v3", q_lora_rank=10, n_shared_experts=1, n_group=4,
+                   topk_group=2, topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
+                   routed_scaling_factor=2.5, rope_scaling=dict(YARN, mscale=1.0))
+GPT_OSS = dict(model_type="gpt_oss", vocab_size=97, hidden_size=32, intermediate_size=16, num_hidden_layers=3,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=6, num_experts_per_tok=2,
+               sliding_window=5, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+               swiglu_limit=7.0, max_position_embeddings=512, rope_theta=150000.0,
+               rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "truncate": False, "original_max_position_embeddings": 16},
+               rms_norm_eps=1e-5, initializer_range=0.1, tie_word_embeddings=False)
+
+
 @pytest.fixture(scope="session")
 def tiny_corpus(tmp_path_factory):
     """A corpus of ~300 KB of standard-library source with a 512-token BPE tokenizer."""

@@ -31,11 +31,18 @@ def _mask(S: int, window: int | None, sink: bool, device) -> torch.Tensor:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
-           window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention. q [B, Hq, S, D], k [B, Hk, S, D], v [B, Hk, S, Dv] -> [B, S, Hq * Dv]."""
+           window: int | None = None, sinks: torch.Tensor | None = None, ctx=None) -> torch.Tensor:
+    """Causal attention. q [B, Hq, S, D], k [B, Hk, S, D], v [B, Hk, S, Dv] -> [B, S, Hq * Dv].
+    Under context parallelism (`ctx.cp` set) S is this rank's two blocks and the ring attention
+    of `parallel/context.py` sees the rest of the sequence."""
     B, Hq, S, D = q.shape
     Hk = k.shape[1]
     scale = D ** -0.5 if scale is None else scale
+    if ctx is not None and ctx.cp is not None:
+        from pithtrain.parallel.context import ring_attention
+
+        out = ring_attention(q, k, v, ctx.cp, scale=scale, window=window, sinks=sinks)
+        return out.transpose(1, 2).reshape(B, S, -1)
     if window is None and sinks is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=Hk != Hq)
         return out.transpose(1, 2).reshape(B, S, -1)
@@ -72,8 +79,9 @@ class GQAttention(nn.Module):
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.sinks = nn.Parameter(torch.empty(heads)) if sinks else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         B, S, _ = x.shape
+        cos, sin = ctx.cos, ctx.sin
         q = self.q_proj(x).view(B, S, self.heads, self.head_dim)
         k = self.k_proj(x).view(B, S, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(B, S, self.kv_heads, self.head_dim)
@@ -81,7 +89,7 @@ class GQAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return self.o_proj(attend(q, k, v, window=self.window, sinks=self.sinks))
+        return self.o_proj(attend(q, k, v, window=self.window, sinks=self.sinks, ctx=ctx))
 
 
 class MLAttention(nn.Module):
@@ -109,8 +117,9 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(kv_lora_rank, heads * (nope_dim + v_dim), bias=False)
         self.o_proj = nn.Linear(heads * v_dim, hidden, bias=bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         B, S, _ = x.shape
+        cos, sin = ctx.cos, ctx.sin
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
         q = q.view(B, S, self.heads, -1).transpose(1, 2)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
@@ -121,4 +130,4 @@ class MLAttention(nn.Module):
         k_rope = apply_rope(k_rope.view(B, 1, S, self.rope_dim), cos, sin, self.interleaved)
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(B, self.heads, S, self.rope_dim)], dim=-1)
-        return self.o_proj(attend(q, k, v, scale=self.scale))
+        return self.o_proj(attend(q, k, v, scale=self.scale, ctx=ctx))

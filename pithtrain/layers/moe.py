@@ -19,6 +19,13 @@ assignments to expert i) and router probabilities p:
 - aux-free: a per-expert bias added to the scores for expert selection only (never to the
   weights); after each optimizer step it moves by `rate * sign(mean load - load_i)`.
 Loss gradients enter through `attach_aux_loss`, so no loss has to travel to the end of the model.
+
+Distributed (set by `parallel/fsdp.py`): the counts behind f are summed over `stats_group` (every
+rank of the stage) for `micro_batch` / `global_batch`, and over `seq_group` (the context-parallel
+ranks that share a sequence) for `sequence`; P stays local, weighted by the rank's token share.
+The sum of every rank's loss is then the single-process loss of the same global micro-batches.
+With `ep` set, the experts here are this rank's share and stages 2-5 go through
+`parallel/expert.py`.
 """
 
 from __future__ import annotations
@@ -26,12 +33,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from pithtrain.ops.grouped_mm import grouped_mm
 from pithtrain.ops.swiglu import swiglu
 from pithtrain.ops.permute import permute, sort_by_expert, unpermute
+from pithtrain.parallel import expert as ep_exchange
 
 
 @dataclass
@@ -61,9 +70,12 @@ def micro_batch_aux_loss(probs: torch.Tensor, counts: torch.Tensor) -> torch.Ten
     return (load_fraction(counts) * probs.mean(0)).sum()
 
 
-def sequence_aux_loss(probs: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-    """probs [B, S, E], expert_ids [B, S, k]: the balance loss of each sequence, averaged."""
+def sequence_aux_loss(probs: torch.Tensor, expert_ids: torch.Tensor, group=None) -> torch.Tensor:
+    """probs [B, S, E], expert_ids [B, S, k]: the balance loss of each sequence, averaged. With
+    `group` (context parallel) the counts are summed over the ranks that hold parts of the sequences."""
     counts = expert_counts(expert_ids, probs.shape[-1])
+    if group is not None:
+        dist.all_reduce(counts, group=group)
     return (load_fraction(counts) * probs.mean(1)).sum(-1).mean()
 
 
@@ -180,12 +192,20 @@ class GroupedExperts(nn.Module):
                  transposed: bool = False, bias: bool = False, activation=swiglu):
         super().__init__()
         self.num_experts, self.first_expert, self.transposed, self.activation = num_experts, first_expert, transposed, activation
+        self.hidden, self.intermediate, self.bias = hidden, intermediate, bias
         up_shape = (hidden, 2 * intermediate) if transposed else (2 * intermediate, hidden)
         down_shape = (intermediate, hidden) if transposed else (hidden, intermediate)
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, *up_shape))
         self.down_proj = nn.Parameter(torch.empty(num_experts, *down_shape))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate)) if bias else None
         self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
+
+    def local_share(self, rank: int, ranks: int) -> "GroupedExperts":
+        """The experts rank `rank` of `ranks` owns, as a new module on the same device (unset weights)."""
+        n = self.num_experts // ranks
+        return GroupedExperts(n, self.hidden, self.intermediate, self.first_expert + rank * n,
+                              transposed=self.transposed, bias=self.bias, activation=self.activation).to(
+                                  self.gate_up_proj.device)
 
     def _weight(self, w: torch.Tensor) -> torch.Tensor:  # -> [E, in, out] for grouped_mm
         return w if self.transposed else w.transpose(1, 2)
@@ -227,6 +247,8 @@ class MoEBlock(nn.Module):
         self.add_module(router_name, router)
         self.experts = experts
         self.shared_experts = shared_experts
+        self.ep: ep_exchange.ExpertGroup | None = None  # expert parallelism (parallel/fsdp.py sets these)
+        self.stats_group = self.seq_group = None
         # Step statistics (not saved): assignments per expert, weighted balancing loss.
         self.register_buffer("load", torch.zeros(router.num_experts), persistent=False)
         self.register_buffer("aux_total", torch.zeros(()), persistent=False)
@@ -244,16 +266,25 @@ class MoEBlock(nn.Module):
         B, S, H = x.shape
         flat = x.reshape(-1, H)
         logits, probs, weights, ids = self.topk_router(flat)
-        order, inverse, counts = sort_by_expert(ids, self.num_experts)
-        with torch.no_grad():
-            if self.training:
+        if self.ep is None:
+            order, inverse, local_counts = sort_by_expert(ids, self.num_experts)
+        else:
+            local_counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts)
+        counts = local_counts
+        if self.training:
+            with torch.no_grad():
+                if self.stats_group is not None:  # the counts of every rank's tokens
+                    counts = counts.float()
+                    dist.all_reduce(counts, group=self.stats_group)
                 self.load += counts
         loss = self._balance_loss(logits, probs, ids, counts, B) if aux_weight and self.training else None
         if loss is not None:
             loss = loss * aux_weight
             self.aux_total += loss.detach()
             flat = attach_aux_loss(flat, loss)
-        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        if self.ep is not None:
+            return ep_exchange.plan(flat, ids, weights, self.ep, x.shape)
+        offsets = torch.cumsum(local_counts, 0).to(torch.int32)
         rows = permute(flat, order, inverse, self.top_k)
         return rows, RoutePlan(order, inverse, offsets, weights, x.shape)
 
@@ -265,7 +296,8 @@ class MoEBlock(nn.Module):
             elif b.aux_loss == "global_batch":
                 aux = micro_batch_aux_loss(probs, self.load)
             elif b.aux_loss == "sequence":
-                aux = sequence_aux_loss(probs.view(batch, -1, self.num_experts), ids.view(batch, -1, self.top_k))
+                aux = sequence_aux_loss(probs.view(batch, -1, self.num_experts), ids.view(batch, -1, self.top_k),
+                                        self.seq_group)
             else:
                 raise ValueError(f"unknown aux_loss {b.aux_loss!r}")
             loss = b.aux_loss_coef * aux
@@ -274,17 +306,21 @@ class MoEBlock(nn.Module):
             loss = z if loss is None else loss + z
         return loss
 
-    def dispatch(self, rows: torch.Tensor, plan: RoutePlan) -> torch.Tensor:
-        return rows  # single rank: every expert is local
+    def dispatch(self, rows: torch.Tensor, plan) -> torch.Tensor:
+        return rows if self.ep is None else ep_exchange.dispatch(rows, plan, self.ep)
 
-    def compute(self, rows: torch.Tensor, plan: RoutePlan) -> torch.Tensor:
-        return self.experts(rows, plan.offsets)
+    def compute(self, rows: torch.Tensor, plan) -> torch.Tensor:
+        if self.ep is None:
+            return self.experts(rows, plan.offsets)
+        return ep_exchange.compute(rows, plan, self.ep, self.experts)
 
-    def combine(self, rows: torch.Tensor, plan: RoutePlan) -> torch.Tensor:
-        return rows
+    def combine(self, rows: torch.Tensor, plan) -> torch.Tensor:
+        return rows if self.ep is None else ep_exchange.combine(rows, plan, self.ep)
 
-    def aggregate(self, rows: torch.Tensor, plan: RoutePlan) -> torch.Tensor:
+    def aggregate(self, rows: torch.Tensor, plan) -> torch.Tensor:
         """Expert outputs back to token order and summed with the routing weights -> [B, S, H]."""
+        if self.ep is not None:
+            return ep_exchange.aggregate(rows, plan)
         B, S, H = plan.shape
         per_slot = unpermute(rows, plan.order, plan.inverse).view(B * S, self.top_k, H)
         out = torch.bmm(plan.weights.unsqueeze(1).to(per_slot.dtype), per_slot)

@@ -83,8 +83,14 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, dim: int, params: dict, max_positions: int | None = None):
         super().__init__()
+        self.dim, self.params, self.max_positions = dim, params, max_positions
         inv_freq, self.attention_factor = inverse_frequencies(params, dim, max_positions)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Recompute the frequencies in place (after `to_empty` left the buffer unset)."""
+        self.inv_freq.copy_(inverse_frequencies(self.params, self.dim, self.max_positions)[0])
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[..., None].float() * self.inv_freq.to(positions.device)

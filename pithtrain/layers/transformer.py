@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from pithtrain.layers.moe import GroupedExperts, MoEBlock, RoutePlan
 from pithtrain.layers.norm import RMSNorm
@@ -32,6 +33,7 @@ class ForwardContext:
     cos: torch.Tensor
     sin: torch.Tensor
     aux_weight: float = 0.0  # share of the step's tokens in this micro-batch; 0: no balancing loss
+    cp: object = None  # parallel.context.ContextGroup when the sequence is split over ranks
 
 
 @dataclass
@@ -54,7 +56,7 @@ class DecoderLayer(nn.Module):
         self.is_moe = isinstance(mlp, MoEBlock)
 
     def stage_attention(self, x: torch.Tensor, ctx: ForwardContext) -> LayerState:
-        h = x + self.self_attn(self.input_layernorm(x), ctx.cos, ctx.sin)
+        h = x + self.self_attn(self.input_layernorm(x), ctx)
         y = self.post_attention_layernorm(h)
         if not self.is_moe:
             return LayerState(h, self.mlp(y))
@@ -106,6 +108,7 @@ class CausalLM(nn.Module):
                  *, eps: float, tie_embeddings: bool, init_std: float):
         super().__init__()
         self.vocab, self.init_std = vocab, init_std
+        self.cp = None  # a parallel.context.ContextGroup: this rank holds two blocks of each sequence
         self.model = Backbone(vocab, hidden, layers, eps)
         self.rotary_emb = rope
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
@@ -129,9 +132,11 @@ class CausalLM(nn.Module):
     def context(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, aux_weight: float,
                 dtype: torch.dtype) -> ForwardContext:
         if position_ids is None:
+            if self.cp is not None:
+                raise ValueError("under context parallelism the model needs the position_ids of its blocks")
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         cos, sin = self.rotary_emb(position_ids, dtype)
-        return ForwardContext(cos, sin, aux_weight)
+        return ForwardContext(cos, sin, aux_weight, self.cp)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, aux_weight: float = 0.0) -> torch.Tensor:
@@ -157,7 +162,9 @@ def init_weights(model: CausalLM, seed: int) -> None:
     """Initialise every parameter from (seed, global parameter name[, global expert id]) alone.
 
     Matrices and embeddings ~ N(0, init_std), norm weights 1, biases 0, aux-free router bias 0. A layout
-    that holds only some layers or experts draws exactly the numbers the full model would.
+    that holds only some layers or experts draws exactly the numbers the full model would. Buffers
+    (RoPE frequencies, step statistics) are recomputed, so a model made on the meta device and
+    allocated with `to_empty` is complete afterwards.
     """
     owners = {}
     for mname, module in model.named_modules():
@@ -167,17 +174,25 @@ def init_weights(model: CausalLM, seed: int) -> None:
         if param.device.type == "meta":
             continue
         module = owners[name]
+        # A sharded (FSDP) parameter is drawn whole, one at a time, and keeps its local shard.
+        full = torch.empty(param.shape, dtype=param.dtype, device=param.device) if isinstance(param, DTensor) else param
         if isinstance(module, RMSNorm):
-            param.fill_(1.0)
+            full.fill_(1.0)
         elif name.endswith("bias"):
-            param.zero_()
+            full.zero_()
         elif isinstance(module, GroupedExperts):
-            for e in range(param.shape[0]):
-                gen = torch.Generator(param.device).manual_seed(_seed(seed, name, module.first_expert + e))
-                param[e].normal_(0.0, model.init_std, generator=gen)
+            for e in range(full.shape[0]):
+                gen = torch.Generator(full.device).manual_seed(_seed(seed, name, module.first_expert + e))
+                full[e].normal_(0.0, model.init_std, generator=gen)
         else:
-            gen = torch.Generator(param.device).manual_seed(_seed(seed, name))
-            param.normal_(0.0, model.init_std, generator=gen)
+            gen = torch.Generator(full.device).manual_seed(_seed(seed, name))
+            full.normal_(0.0, model.init_std, generator=gen)
+        if isinstance(param, DTensor):
+            local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            param.to_local().copy_(local.to_local())
+    model.rotary_emb.reset()
     for block in model.moe_blocks():
+        block.load.zero_()
+        block.aux_total.zero_()
         if block.topk_router.e_score_correction_bias is not None:
             block.topk_router.e_score_correction_bias.zero_()

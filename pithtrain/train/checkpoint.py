@@ -8,6 +8,11 @@ Layout of `<dir>/step-NNNNNNNN/`:
 A save goes to `.tmp-step-NNNNNNNN/` and is renamed when complete, so a save killed at any point
 leaves the earlier checkpoints untouched and the partial one ignored (and removed at the next
 start). Only the newest `keep` complete checkpoints are kept.
+
+Resharding: every tensor is stored whole (DCP records each rank's piece of it), so a checkpoint
+loads into any layout. FSDP-sharded parameters are DTensors already; under expert parallelism a
+rank's experts are E/ep of them, so those tensors (and their optimizer states) are presented as
+DTensors over (ep, FSDP dims) with the global expert dimension (`_global_experts`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -94,6 +100,35 @@ def quiet():
         yield
 
 
+def _global_experts(state, model: torch.nn.Module, path: str = ""):
+    """`state` (a model or optimizer state dict) with each rank's experts seen as part of all E.
+    Returns the new dict and the (view, original) pairs whose data must be copied back after a load."""
+    mesh = getattr(model, "expert_store", None)
+    pairs = []
+    if mesh is None:
+        return state, pairs
+
+    def walk(obj, path):
+        if isinstance(obj, dict):
+            return {k: walk(v, f"{path}.{k}") for k, v in obj.items()}
+        if isinstance(obj, DTensor) and ".mlp.experts." in path:
+            local = obj.to_local()
+            shape = torch.Size((obj.shape[0] * mesh.size(0), *obj.shape[1:]))
+            view = DTensor.from_local(local, mesh, [Shard(0), *obj.placements], run_check=False, shape=shape,
+                                      stride=torch.empty(shape, device="meta").stride())
+            pairs.append((view, local))
+            return view
+        return obj
+
+    return walk(state, path), pairs
+
+
+def _copy_back(pairs) -> None:
+    for view, local in pairs:
+        if view.to_local().data_ptr() != local.data_ptr():
+            local.copy_(view.to_local())
+
+
 def save(root: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
          trainer_state: dict, keep: int, hf_config: dict | None = None) -> str:
     """Write checkpoint `step` under `root` atomically and prune to the newest `keep`.
@@ -105,9 +140,9 @@ def save(root: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Op
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state, _ = _global_experts(dict(zip(("model", "optim"), get_state_dict(model, optimizer))), model)
     with quiet():
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+        dcp.save(state, checkpoint_id=tmp)
     fault_point("save-after-tensors", step)
     rng_path = os.path.join(tmp, f"rng-rank{_rank()}.pt")
     torch.save(rng_state(), rng_path)
@@ -232,9 +267,11 @@ def load_weights(path: str, model: torch.nn.Module) -> None:
     stored = stored_tensors(path)
     if "lm_head.weight" not in stored and model.lm_head.weight is model.model.embed_tokens.weight:
         state.pop("lm_head.weight")  # tied: the embedding is the head
-    check_tensors(path, {n: s for n, (s, _) in stored.items()}, {n: t.shape for n, t in state.items()})
+    view, pairs = _global_experts(state, model, "model")
+    check_tensors(path, {n: s for n, (s, _) in stored.items()}, {n: t.shape for n, t in view.items()})
     with quiet():
-        dcp.load({"model": state}, checkpoint_id=path)
+        dcp.load({"model": view}, checkpoint_id=path)
+    _copy_back(pairs)
     set_model_state_dict(model, state, options=StateDictOptions(strict=False))
 
 
@@ -242,17 +279,19 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | N
     """Load model (and optimizer) state from checkpoint `path`; return its trainer state."""
     verify(path)
     stored = {n: s for n, (s, _) in stored_tensors(path).items()}
-    check_tensors(path, stored, {n: t.shape for n, t in get_model_state_dict(model).items()})
     if optimizer is None:
         state = {"model": get_model_state_dict(model)}
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
+    view, pairs = _global_experts(state, model)
+    check_tensors(path, stored, {n: t.shape for n, t in view["model"].items()})
     try:
         with quiet():
-            dcp.load(state, checkpoint_id=path)
+            dcp.load(view, checkpoint_id=path)
     except Exception as e:
         raise CheckpointError(f"checkpoint {path} does not match this model and optimizer: {e}") from None
+    _copy_back(pairs)
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:

@@ -104,6 +104,22 @@ class RunLog:
             self.wandb.finish()
 
 
+class QuietLog:
+    """What ranks other than 0 log: nothing."""
+
+    def say(self, text: str) -> None:
+        pass
+
+    def advance(self, n: int = 1) -> None:
+        pass
+
+    def record(self, r: dict, console: bool = True) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def read_metrics(path: str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]

@@ -1,9 +1,13 @@
 """The training loop: build, resume, step, validate, log, checkpoint.
 
-One optimizer step takes a global batch of `data.global_batch_size` sequences in micro-batches of
-`data.micro_batch_size`. The loss of every micro-batch is its summed token cross-entropy divided
-by the number of target tokens of the whole global batch, so accumulation gives exactly the mean
-over the global batch; the balancing losses of a micro-batch are weighted by its share of tokens.
+One optimizer step takes a global batch of `data.global_batch_size` sequences. Micro-batch i of
+the step is sequences [i*m*D, (i+1)*m*D) of it (m = `data.micro_batch_size`, D = dp * ep data
+ranks); data rank d takes the d-th m of them, and context-parallel ranks their blocks of each
+sequence. The loss of every micro-batch is its summed token cross-entropy divided by the number
+of target tokens of the whole global batch (summed over all ranks), and gradients are summed over
+ranks, so the step sees exactly the mean over the global batch: the same gradient as one process
+with micro-batches of m*D sequences. The balancing losses of a micro-batch are weighted by its
+share of the step's tokens.
 """
 
 from __future__ import annotations
@@ -15,15 +19,19 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
 
 from pithtrain.config import ConfigError, RunConfig
 from pithtrain.layers.moe import BalanceOptions
 from pithtrain.layers.transformer import CausalLM, init_weights
 from pithtrain.models import build_model
+from pithtrain.parallel.context import block_positions, shard_sequence
+from pithtrain.parallel.fsdp import build_parallel
+from pithtrain.parallel.mesh import Mesh, init_distributed, plan_layout, world_size
 from pithtrain.train import checkpoint
 from pithtrain.train.data import GlobalBatchSampler, PackedDataset, batch_tensors, validation_batches
-from pithtrain.train.log import RunLog, peak_memory_gb, plot_losses
-from pithtrain.train.optim import build_optimizer, lr_at, set_lr
+from pithtrain.train.log import QuietLog, RunLog, peak_memory_gb, plot_losses
+from pithtrain.train.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 
 
 def resolve_device(cfg: RunConfig) -> tuple[torch.device, torch.dtype | None]:
@@ -49,11 +57,38 @@ def balance_options(cfg: RunConfig) -> BalanceOptions:
     return BalanceOptions(m.aux_loss, m.aux_loss_coef, m.z_loss_coef, m.aux_free, m.aux_free_rate)
 
 
-def build_for_training(cfg: RunConfig, device: torch.device) -> CausalLM:
+def build_for_training(cfg: RunConfig, device: torch.device, mesh: Mesh | None = None,
+                       amp: torch.dtype | None = None) -> CausalLM:
+    def build():
+        return build_model(cfg.model.hf, balance_options(cfg))
+
+    if mesh is not None:  # sharded: bf16 parameters under FSDP on the GPU, fp32 on the CPU
+        return build_parallel(build, mesh, cfg.train.seed, amp if device.type == "cuda" else None)
     with torch.device(device):
-        model = build_model(cfg.model.hf, balance_options(cfg))
+        model = build()
     init_weights(model, cfg.train.seed)
     return model
+
+
+def rank_batches(ds: PackedDataset, idx: list[int], micro: int, mesh: Mesh | None) -> list[tuple]:
+    """This rank's micro-batches (input_ids, labels, position_ids or None) of the global batch `idx`."""
+    D, d = (mesh.layout.data_ranks, mesh.data_rank) if mesh is not None else (1, 0)
+    out = []
+    for start in range(0, len(idx), micro * D):
+        ids, labels = batch_tensors(ds, idx[start + d * micro:start + (d + 1) * micro])
+        pos = None
+        if mesh is not None and mesh.layout.cp > 1:
+            cp, r = mesh.layout.cp, mesh.coord("cp")
+            pos = block_positions(ids.shape[1], cp, r).expand(ids.shape[0], -1)
+            ids, labels = shard_sequence(ids, cp, r), shard_sequence(labels, cp, r)
+        out.append((ids, labels, pos))
+    return out
+
+
+def _sum(t: torch.Tensor, mesh: Mesh | None) -> torch.Tensor:
+    if mesh is not None:
+        dist.all_reduce(t, group=mesh.data_group)
+    return t
 
 
 def open_data(cfg: RunConfig) -> tuple[PackedDataset, PackedDataset]:
@@ -72,39 +107,48 @@ def open_data(cfg: RunConfig) -> tuple[PackedDataset, PackedDataset]:
 
 
 @torch.no_grad()
-def evaluate(model: CausalLM, ds: PackedDataset, batches: list[list[int]], device, amp) -> float:
+def evaluate(model: CausalLM, micro_batches: list[list[tuple]], device, amp, mesh: Mesh | None = None) -> float:
     model.eval()
-    total = torch.zeros((), device=device, dtype=torch.float64)
-    count = 0
-    for idx in batches:
-        ids, labels = (t.to(device) for t in batch_tensors(ds, idx))
-        with autocast(device, amp):
-            total += model(ids, labels=labels).double()
-        count += int((labels != -100).sum())
+    total = torch.zeros(2, device=device, dtype=torch.float64)  # summed loss, tokens
+    for batch in micro_batches:
+        for ids, labels, pos in batch:
+            ids, labels = ids.to(device), labels.to(device)
+            with autocast(device, amp):
+                total[0] += model(ids, labels=labels, position_ids=None if pos is None else pos.to(device)).double()
+            total[1] += (labels != -100).sum()
     model.train()
-    return (total / count).item()
+    total = _sum(total, mesh)
+    return (total[0] / total[1]).item()
 
 
-def train_step(model: CausalLM, optimizer, micro_batches: list, grad_clip: float, device, amp) -> dict:
-    """Forward/backward over the micro-batches, clip, step. Returns device tensors (no sync)."""
-    counts = [int((labels != -100).sum()) for _, labels in micro_batches]  # on the host, before upload
+def train_step(model: CausalLM, optimizer, micro_batches: list, grad_clip: float, device, amp,
+               mesh: Mesh | None = None) -> dict:
+    """Forward/backward over this rank's micro-batches (input_ids, labels[, position_ids]), clip, step.
+    Returns device tensors; distributed, one host synchronisation (the global token count)."""
+    counts = [int((mb[1] != -100).sum()) for mb in micro_batches]  # on the host, before upload
     n_tokens = sum(counts)
+    if mesh is not None:
+        n_tokens = int(_sum(torch.tensor([n_tokens], device=device), mesh).item())
     loss_sum = torch.zeros((), device=device)
-    for (ids, labels), count in zip(micro_batches, counts):
-        ids, labels = ids.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+    for mb, count in zip(micro_batches, counts):
+        ids, labels = mb[0].to(device, non_blocking=True), mb[1].to(device, non_blocking=True)
+        pos = mb[2].to(device, non_blocking=True) if len(mb) > 2 and mb[2] is not None else None
         share = count / n_tokens
         with autocast(device, amp):
-            loss = model(ids, labels=labels, aux_weight=share)
+            loss = model(ids, labels=labels, position_ids=pos, aux_weight=share)
         (loss / n_tokens).backward()
         loss_sum += loss.detach()
     params = [p for p in model.parameters() if p.grad is not None]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else math.inf)
+    replicas = mesh.layout.dp_replicate if mesh is not None else 1
+    grad_norm = clip_grad_norm(params, grad_clip, mesh.data_group if mesh is not None else None, replicas)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    out = {"loss": loss_sum / n_tokens, "grad_norm": grad_norm, "tokens": n_tokens}
     stats = [block.end_step() for block in model.moe_blocks()]
+    aux = torch.stack([s["aux"] for s in stats]).sum() if stats else torch.zeros((), device=device)
+    sums = _sum(torch.stack([loss_sum, aux.to(loss_sum.dtype)]), mesh)
+    out = {"loss": sums[0] / n_tokens, "grad_norm": grad_norm, "tokens": n_tokens}
     if stats:
-        out["aux_loss"] = torch.stack([s["aux"] for s in stats]).sum()
+        out["aux_loss"] = sums[1]
         loads = torch.stack([s["load"] for s in stats])
         out["expert_load_imbalance"] = (loads.max(1).values / loads.mean(1).clamp(min=1e-9)).mean()
     return out
@@ -132,18 +176,27 @@ def train(cfg: RunConfig) -> dict:
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     device, amp = resolve_device(cfg)
+    layout = plan_layout(cfg, world_size())
     train_ds, val_ds = open_data(cfg)
     d = cfg.data
-    val_idx = validation_batches(val_ds, d.micro_batch_size, d.val_batches)
+    D = layout.data_ranks
+    val_idx = validation_batches(val_ds, d.micro_batch_size * D, d.val_batches)
     sampler = GlobalBatchSampler(len(train_ds), d.global_batch_size, cfg.train.seed)
-    model = build_for_training(cfg, device)
+    mesh = init_distributed(layout, device.type) if layout.world > 1 else None
+    device = mesh.device if mesh is not None else device
+    rank0 = mesh is None or mesh.rank == 0
+    val_batches = [rank_batches(val_ds, idx, d.micro_batch_size, mesh) for idx in val_idx]
+    model = build_for_training(cfg, device, mesh, amp)
     optimizer = build_optimizer(model, cfg.optim)
 
     ckpt_dir, start = cfg.checkpoint_dir, 0
     resume = cfg.checkpoint.resume
     if resume == "none":
         refuse_to_overwrite(cfg.log.run_dir, ckpt_dir)
-    save_run_config(cfg)
+    if mesh is not None:
+        dist.barrier()  # every rank has looked before rank 0 writes
+    if rank0:
+        save_run_config(cfg)
     checkpoint.clean_partial(ckpt_dir)
     path = checkpoint.latest(ckpt_dir) if resume == "auto" else (None if resume == "none" else resume)
     if path is not None:
@@ -154,12 +207,13 @@ def train(cfg: RunConfig) -> dict:
         checkpoint.load_weights(cfg.checkpoint.init_from, model)
     log = RunLog(cfg.log.run_dir, cfg.train.steps, start, progress=cfg.log.progress,
                  tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb, wandb_project=cfg.log.wandb_project,
-                 config=cfg.to_dict())
+                 config=cfg.to_dict()) if rank0 else QuietLog()
+    if mesh is not None:
+        log.say(f"layout {layout.describe()} on {layout.world} processes ({device.type})")
     if path is not None:
         log.say(f"resumed from {path} at step {start}")
     elif cfg.checkpoint.init_from:
         log.say(f"initialised from the weights of {cfg.checkpoint.init_from}")
-    n_micro = d.global_batch_size // d.micro_batch_size
     last, tokens_since, t_since = {}, 0, time.perf_counter()
     run_tokens, run_time = 0, 0.0
     record, first_loss = {}, None
@@ -167,10 +221,8 @@ def train(cfg: RunConfig) -> dict:
     for step in range(start, end):
         lr = lr_at(step, cfg.train.steps, cfg.optim)
         set_lr(optimizer, lr)
-        idx = sampler.next_batch()
-        micro = [batch_tensors(train_ds, idx[i * d.micro_batch_size:(i + 1) * d.micro_batch_size])
-                 for i in range(n_micro)]
-        last = train_step(model, optimizer, micro, cfg.optim.grad_clip, device, amp)
+        micro = rank_batches(train_ds, sampler.next_batch(), d.micro_batch_size, mesh)
+        last = train_step(model, optimizer, micro, cfg.optim.grad_clip, device, amp, mesh)
         tokens_since += last["tokens"]
         done = step + 1
         is_last = done == end
@@ -187,7 +239,7 @@ def train(cfg: RunConfig) -> dict:
                 if key in last:
                     record[key] = last[key].item()
             if validate:
-                record["val_loss"] = evaluate(model, val_ds, val_idx, device, amp)
+                record["val_loss"] = evaluate(model, val_batches, device, amp, mesh)
             log.record(record)
             first_loss = record["loss"] if first_loss is None else first_loss
             run_tokens, run_time = run_tokens + tokens_since, run_time + elapsed
@@ -205,6 +257,9 @@ def train(cfg: RunConfig) -> dict:
         summary.update(first_loss=first_loss, train_loss=record["loss"], val_loss=record.get("val_loss"),
                        tokens_per_s=run_tokens / run_time)
     metrics = os.path.join(cfg.log.run_dir, "metrics.jsonl")
-    if cfg.log.plot and os.path.exists(metrics):
+    if mesh is not None:
+        dist.barrier()
+        dist.destroy_process_group()
+    if rank0 and cfg.log.plot and os.path.exists(metrics):
         summary["plot"] = plot_losses(metrics, os.path.join(cfg.log.run_dir, "loss.png"), train_ds.vocab_size)
     return summary

@@ -3,7 +3,9 @@
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from pithtrain.config import OptimConfig
 
@@ -34,3 +36,24 @@ def lr_at(step: int, total: int, cfg: OptimConfig) -> float:
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+@torch.no_grad()
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, group=None, replicas: int = 1) -> torch.Tensor:
+    """Global gradient norm, and gradients scaled down to `max_norm` if above (0: no clipping).
+
+    Sharded gradients (DTensors of FSDP, on any mesh: dense parameters and experts alike) add
+    their local shards' squares; the sum over `group` (every rank of the stage) counts each
+    element once, `replicas` times under HSDP, which is divided out. One process: `group` None.
+    """
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    total = torch.stack([g.float().square().sum() for g in grads]).sum()
+    if group is not None:
+        dist.all_reduce(total, group=group)
+        total = total / replicas
+    norm = total.sqrt()
+    if max_norm > 0:
+        torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0).to(grads[0].dtype))
+    return norm

@@ -1,0 +1,145 @@
+"""The process layout: world = pp * dp * cp * ep, checked before anything is built, and its meshes.
+
+Rank order is row-major over (pp, dp, cp, ep): expert-parallel ranks are neighbours (one node's
+fast links carry the all-to-all), then context-parallel ranks, then data-parallel ranks. `dp` is
+what the world size leaves: dp = world / (pp * cp * ep). Roles:
+- each (dp, ep) coordinate reads its own sequences; the `dp * ep` of them are the *data ranks*;
+- the cp ranks of one data rank split its sequences (ring attention, `parallel/context.py`);
+- the ep ranks of one (dp, cp) coordinate split the experts (`parallel/expert.py`);
+- parameters other than the experts are sharded by FSDP over all dp * cp * ep ranks of a stage,
+  the experts over the dp * cp ranks that hold the same experts (`parallel/fsdp.py`);
+- `dp_replicate` > 1 makes FSDP hybrid (HSDP): dp splits into dp_replicate groups (e.g. nodes)
+  that each hold a full sharded copy, gradients all-reduced between them.
+Multi-node runs use torchrun's rendezvous (and SLURM through it); this module only reads the
+environment torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from pithtrain.config import ConfigError, RunConfig
+
+
+@dataclass(frozen=True)
+class Layout:
+    world: int
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    dp_replicate: int = 1
+
+    @property
+    def data_ranks(self) -> int:
+        return self.dp * self.ep
+
+    def describe(self) -> str:
+        parts = [f"{n}{v}" for n, v in (("pp", self.pp), ("dp", self.dp), ("cp", self.cp), ("ep", self.ep)) if v > 1]
+        return " x ".join(parts) or "single process"
+
+
+def num_routed_experts(hf: dict) -> int:
+    """Routed experts of the model (0 for a dense model), read from a meta-device build."""
+    from pithtrain.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(hf)
+    blocks = model.moe_blocks()
+    return blocks[0].num_experts if blocks else 0
+
+
+def plan_layout(cfg: RunConfig, world: int) -> Layout:
+    """The layout of `cfg.parallel` on `world` processes; every impossible one is a ConfigError."""
+    p, d = cfg.parallel, cfg.data
+    for key, value in (("pp", p.pp), ("cp", p.cp), ("ep", p.ep), ("dp_replicate", p.dp_replicate)):
+        if value < 1:
+            raise ConfigError(f"parallel.{key} = {value} must be at least 1")
+    fixed = p.pp * p.cp * p.ep
+    if world % fixed:
+        raise ConfigError(f"the world size {world} is not a multiple of parallel.pp * parallel.cp * parallel.ep = "
+                          f"{p.pp} * {p.cp} * {p.ep} = {fixed}; launch a multiple of {fixed} processes "
+                          f"(torchrun --nproc-per-node=...) or change the layout")
+    layout = Layout(world, p.pp, world // fixed, p.cp, p.ep, p.dp_replicate)
+    if p.pp > 1:
+        raise ConfigError(f"parallel.pp = {p.pp}: pipeline parallelism is not available yet; set parallel.pp=1")
+    if layout.dp % p.dp_replicate:
+        raise ConfigError(f"parallel.dp_replicate = {p.dp_replicate} does not divide the data-parallel degree "
+                          f"dp = {layout.dp} (world {world} / (pp * cp * ep) = {fixed})")
+    if p.ep > 1:
+        experts = num_routed_experts(cfg.model.hf)
+        if experts == 0:
+            raise ConfigError(f"parallel.ep = {p.ep} but the model has no MoE layers; set parallel.ep=1")
+        if experts % p.ep:
+            raise ConfigError(f"the model's {experts} routed experts cannot be split evenly over parallel.ep = "
+                              f"{p.ep} ranks; choose an ep that divides {experts}")
+    if p.cp > 1 and d.seq_len % (2 * p.cp):
+        raise ConfigError(f"data.seq_len = {d.seq_len} is not a multiple of 2 * parallel.cp = {2 * p.cp} "
+                          f"(each context-parallel rank holds two equal blocks of every sequence)")
+    step = d.micro_batch_size * layout.data_ranks
+    if d.global_batch_size % step:
+        raise ConfigError(f"data.global_batch_size = {d.global_batch_size} is not a multiple of data.micro_batch_size"
+                          f" * dp * ep = {d.micro_batch_size} * {layout.dp} * {layout.ep} = {step} (sequences of one "
+                          f"micro-batch over all data ranks)")
+    return layout
+
+
+@dataclass
+class Mesh:
+    """This rank's place in the layout and the process groups each parallel feature uses."""
+
+    layout: Layout
+    rank: int
+    device: torch.device
+    world: DeviceMesh  # (pp, dp, cp, ep)
+    dense: DeviceMesh  # FSDP of non-expert parameters: (shard) or (replicate, shard)
+    experts: DeviceMesh  # FSDP of expert parameters over the ranks holding the same experts
+    expert_store: DeviceMesh  # (ep, shard) or (ep, replicate, shard): how checkpoints see the experts
+    data_group: dist.ProcessGroup  # every rank of this pipeline stage (loss and statistics sums)
+
+    def coord(self, dim: str) -> int:
+        return self.world.get_local_rank(dim)
+
+    def group(self, dim: str) -> dist.ProcessGroup:
+        return self.world.get_group(dim)
+
+    @property
+    def data_rank(self) -> int:
+        """Index of this rank's sequences among the dp * ep data ranks."""
+        return self.coord("dp") * self.layout.ep + self.coord("ep")
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed(layout: Layout, device_type: str, timeout_s: float = 600) -> Mesh:
+    """Join the torchrun job (NCCL on CUDA, gloo on CPU) and build the meshes of `layout`."""
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_type == "cuda":
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=device if device_type == "cuda" else None)
+    L = layout
+    rep, shard_dp = L.dp_replicate, L.dp // L.dp_replicate
+    ranks = torch.arange(L.world).view(L.pp, rep, shard_dp, L.cp, L.ep)
+    kind = device.type
+    world = DeviceMesh(kind, ranks.reshape(L.pp, L.dp, L.cp, L.ep), mesh_dim_names=("pp", "dp", "cp", "ep"))
+    dense_all = DeviceMesh(kind, ranks.reshape(L.pp, rep, -1), mesh_dim_names=("pp", "replicate", "shard"))
+    exp_all = DeviceMesh(kind, ranks.permute(0, 4, 1, 2, 3).reshape(L.pp, L.ep, rep, -1),
+                         mesh_dim_names=("pp", "ep", "replicate", "shard"))
+    data = DeviceMesh(kind, ranks.reshape(L.pp, -1), mesh_dim_names=("pp", "data"))
+    fsdp_dims = ("replicate", "shard") if rep > 1 else ("shard",)
+    return Mesh(L, dist.get_rank(), device, world, dense_all[fsdp_dims], exp_all[fsdp_dims],
+                exp_all[("ep", *fsdp_dims)], data.get_group("data"))

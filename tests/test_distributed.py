@@ -1,0 +1,183 @@
+"""Every parallel layout against one process: torchrun starts N gloo processes (one thread each)
+running `pithtrain train`; three steps must give the single-process losses (1e-5 relative) and
+parameters (1e-5) of the same global batch. The single-process run uses micro-batches of
+micro_batch_size * dp * ep sequences: that is what one micro-batch of all data ranks together is.
+Also: deduplicated expert dispatch (row counts and numerics), resharding checkpoints across
+layouts, and layouts that cannot work."""
+
+import json
+import re
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from conftest import DEEPSEEK_V2, GPT_OSS, ROOT, TINY_MODEL, losses, run_cli, write_run
+from pithtrain.config import ConfigError, load_config
+from pithtrain.parallel.mesh import plan_layout
+from pithtrain.train import checkpoint
+
+FAMILIES = {
+    "qwen3": (TINY_MODEL, "z_loss_coef = 1e-3\n"),  # global_batch balancing loss (the default)
+    "deepseek_v2": (dict(DEEPSEEK_V2, vocab_size=512, initializer_range=0.02), 'aux_loss = "sequence"\n'),
+    "gpt_oss": (dict(GPT_OSS, vocab_size=512, initializer_range=0.02), 'aux_loss = "micro_batch"\n'),
+}
+MICRO, GLOBAL, STEPS = 2, 8, 3
+
+
+def torchrun(n: int, toml: str, *overrides: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+                           "-m", "pithtrain", "train", toml, *overrides], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"torchrun -n {n} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def stored_model(path: str) -> dict[str, torch.Tensor]:
+    """Every model tensor of a checkpoint, read whole in this process."""
+    meta = dcp.FileSystemReader(path).read_metadata()
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
+             if k.startswith("model.") and hasattr(v, "size")}
+    with checkpoint.quiet():
+        dcp.load(state, checkpoint_id=path)
+    return state
+
+
+def final_checkpoint(run_dir: str) -> str:
+    return os.path.join(run_dir, "checkpoints", f"step-{STEPS:08d}")
+
+
+def family_run(tmp_path, corpus: str, family: str) -> str:
+    """run.toml + config.json of a tiny `family` model: 3 steps, global batch 8, micro-batch 2."""
+    model, moe = FAMILIES[family]
+    toml = write_run(tmp_path, corpus, f"steps = {STEPS}\n[moe]\n{moe}")
+    (tmp_path / "config.json").write_text(json.dumps(model))
+    text = open(toml).read().replace("global_batch_size = 4", f"global_batch_size = {GLOBAL}")
+    open(toml, "w").write(text.replace("val_every = 4", "val_every = 0"))
+    return toml
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_corpus):
+    """Single-process runs, one per (family, data ranks), made when first asked for."""
+    made = {}
+
+    def get(family: str, data_ranks: int) -> str:
+        if (family, data_ranks) not in made:
+            d = tmp_path_factory.mktemp(f"ref-{family}-{data_ranks}")
+            toml = family_run(d, tiny_corpus, family)
+            run_cli("train", toml, f"data.micro_batch_size={MICRO * data_ranks}")
+            made[family, data_ranks] = str(d / "run")
+        return made[family, data_ranks]
+
+    return get
+
+
+LAYOUTS = [  # (family, name, processes, overrides, data ranks dp * ep)
+    ("qwen3", "dp2", 2, [], 2),
+    ("qwen3", "ep2", 2, ["parallel.ep=2"], 2),
+    ("qwen3", "ep4", 4, ["parallel.ep=4"], 4),
+    ("qwen3", "cp2", 2, ["parallel.cp=2"], 1),
+    ("qwen3", "dp2xep2", 4, ["parallel.ep=2"], 4),
+    ("qwen3", "cp2xep2", 4, ["parallel.cp=2", "parallel.ep=2"], 2),
+    ("qwen3", "dp2xcp2", 4, ["parallel.cp=2"], 2),
+    ("deepseek_v2", "ep2", 2, ["parallel.ep=2"], 2),
+    ("deepseek_v2", "cp2", 2, ["parallel.cp=2"], 1),
+    ("gpt_oss", "ep2", 2, ["parallel.ep=2"], 2),
+    ("gpt_oss", "cp2", 2, ["parallel.cp=2"], 1),
+]
+
+
+@pytest.mark.parametrize("family,name,n,overrides,data_ranks", LAYOUTS, ids=[f"{f}-{n}" for f, n, *_ in LAYOUTS])
+def test_layout_matches_single_process(tmp_path, tiny_corpus, reference, family, name, n, overrides, data_ranks):
+    ref = reference(family, data_ranks)
+    toml = family_run(tmp_path, tiny_corpus, family)
+    torchrun(n, toml, *overrides)
+    run = str(tmp_path / "run")
+    want, got = losses(ref), losses(run)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-5), (step, got[step], want[step])
+    a, b = stored_model(final_checkpoint(ref)), stored_model(final_checkpoint(run))
+    assert a.keys() == b.keys()
+    moved = 0
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
+        moved += 1
+    assert moved == len(a) > 10
+
+
+def test_deduplicated_dispatch_rows_and_numerics(tmp_path):
+    """Two ranks, a routing where tokens pick 1 or 2 distinct ranks for their 3 experts: 8 rows sent
+    instead of 15, and output plus gradients equal the single-rank MoE (checked in the worker)."""
+    out = tmp_path / "counts.json"
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           os.path.join(ROOT, "tests", "ep_worker.py"), str(out)], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    counts = json.loads(out.read_text())
+    assert counts["send_splits"] == [4, 4] and counts["recv_splits"] == [4, 4]
+    assert counts["counted"] == [15, 8]
+
+
+def test_dispatch_row_count_formula():
+    from pithtrain.parallel.expert import dispatch_rows
+
+    ids = torch.tensor([[0, 1, 2, 3], [0, 4, 5, 7], [6, 7, 4, 5]])  # 8 experts on 4 ranks (2 each)
+    assert dispatch_rows(ids, 8, 4) == (12, 2 + 3 + 2)  # ranks {0,1}, {0,2,3}, {3,2}
+    assert dispatch_rows(ids, 8, 1) == (12, 3)
+
+
+def test_checkpoint_reshards_across_layouts(tmp_path, tiny_corpus):
+    """Saved under dp2 x ep2 after 2 steps; step 3 continued under ep4 and under one process equals the
+    uninterrupted dp2 x ep2 run (and the continuing runs equal each other)."""
+    base = tmp_path / "base"
+    base.mkdir()
+    toml = family_run(base, tiny_corpus, "qwen3")
+    torchrun(4, toml, "parallel.ep=2", "checkpoint.every=2", "checkpoint.keep=3")
+    full = losses(str(base / "run"))
+    saved = os.path.join(base / "run", "checkpoints", f"step-{2:08d}")
+    results = {}
+    for name, launch in (("ep4", lambda t, *o: torchrun(4, t, "parallel.ep=4", *o)),
+                         ("single", lambda t, *o: run_cli("train", t, f"data.micro_batch_size={MICRO * 4}", *o))):
+        d = tmp_path / name
+        d.mkdir()
+        t = family_run(d, tiny_corpus, "qwen3")
+        launch(t, f"checkpoint.resume={saved}")
+        results[name] = str(d / "run")
+        got = losses(results[name])
+        assert sorted(got) == [3], got
+        assert got[3] == pytest.approx(full[3], rel=1e-5)
+    a, b = stored_model(final_checkpoint(results["ep4"])), stored_model(final_checkpoint(results["single"]))
+    c = stored_model(final_checkpoint(str(base / "run")))
+    for key in c:
+        torch.testing.assert_close(a[key], c[key], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(b[key], c[key], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("world,overrides,message", [
+    (3, ["parallel.ep=2"], "world size 3 is not a multiple"),
+    (4, ["parallel.ep=4", "model.num_experts=6"], "6 routed experts cannot be split"),
+    (2, ["parallel.cp=2", "data.seq_len=30"], "not a multiple of 2 * parallel.cp"),
+    (4, ["parallel.ep=2", "data.global_batch_size=4"], "global_batch_size = 4 is not a multiple"),
+    (4, ["parallel.dp_replicate=3"], "dp_replicate = 3 does not divide"),
+    (2, ["parallel.pp=2"], "pipeline parallelism is not available"),
+    (2, ["parallel.ep=2", "model.mlp_only_layers=[0, 1, 2]"], "no MoE layers"),
+])
+def test_impossible_layouts_fail_before_building(tmp_path, tiny_corpus, world, overrides, message):
+    cfg = load_config(family_run(tmp_path, tiny_corpus, "qwen3"), overrides)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        plan_layout(cfg, world)
+
+
+def test_single_process_with_a_parallel_layout_is_an_error(tmp_path, tiny_corpus):
+    proc = run_cli("train", family_run(tmp_path, tiny_corpus, "qwen3"), "parallel.ep=2", check=False)
+    assert proc.returncode != 0
+    assert "world size 1 is not a multiple" in proc.stderr + proc.stdout
+    assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
