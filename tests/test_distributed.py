@@ -86,6 +86,8 @@ LAYOUTS = [  # (family, name, processes, overrides, data ranks dp * ep)
     ("qwen3", "dp2xep2", 4, ["parallel.ep=2"], 4),
     ("qwen3", "cp2xep2", 4, ["parallel.cp=2", "parallel.ep=2"], 2),
     ("qwen3", "dp2xcp2", 4, ["parallel.cp=2"], 2),
+    ("qwen3", "hsdp2xep2", 4, ["parallel.ep=2", "parallel.dp_replicate=2"], 4),
+    ("qwen3", "torchrun-1", 1, [], 1),  # one process under torchrun: FSDP on a single rank
     ("deepseek_v2", "ep2", 2, ["parallel.ep=2"], 2),
     ("deepseek_v2", "cp2", 2, ["parallel.cp=2"], 1),
     ("gpt_oss", "ep2", 2, ["parallel.ep=2"], 2),

@@ -139,3 +139,51 @@ def test_family_on_cuda(case):
         opt.zero_grad(set_to_none=True)
         first = loss.item() if first is None else first
     assert torch.isfinite(loss) and loss.item() < 0.5 * first
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ring_attention_block_math_on_cuda(dtype):
+    """The ring's block math on CUDA (one rank) against SDPA through `attend`: GQA with a sliding
+    window and sinks, forward and backward."""
+    from pithtrain.layers.attention import attend
+    from pithtrain.parallel.context import ContextGroup, ring_attention
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gen = torch.Generator("cuda").manual_seed(0)
+    B, S, Hq, Hk, D = 2, 256, 8, 2, 64
+    q, k, v = (torch.randn(B, h, S, D, device="cuda", generator=gen).to(dtype).requires_grad_() for h in (Hq, Hk, Hk))
+    sinks = torch.randn(Hq, device="cuda", generator=gen).requires_grad_()
+    ours = ring_attention(q, k, v, ContextGroup(None, 1, 0), scale=D ** -0.5, window=40, sinks=sinks)
+    ours = ours.transpose(1, 2).reshape(B, S, -1)
+    ref = attend(q, k, v, window=40, sinks=sinks)
+    g = torch.randn_like(ref)
+    got = torch.autograd.grad((ours.float() * g).sum(), [q, k, v, sinks])
+    want = torch.autograd.grad((ref.float() * g).sum(), [q, k, v, sinks])
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert rel(ours, ref) < tol
+    for a, b in zip(got, want):
+        assert rel(a, b) < tol
+
+
+def test_fsdp_bf16_under_torchrun_close_to_plain_bf16(tmp_path, tiny_corpus):
+    """One GPU under torchrun takes the sharded path (NCCL, FSDP2 with bf16 parameters and fp32
+    gradient reduction, meta-device init); its losses track the plain bf16-autocast run."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT, losses, run_cli, write_run
+
+    toml = write_run(tmp_path, tiny_corpus, "steps = 6\ndevice = \"cuda\"\n")
+    run_cli("train", toml, f"log.run_dir={tmp_path}/plain")
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+                           "-m", "pithtrain", "train", toml, f"log.run_dir={tmp_path}/fsdp"],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "parallel layout: single process, 1 process(es) on cuda" in proc.stdout
+    a, b = losses(f"{tmp_path}/plain"), losses(f"{tmp_path}/fsdp")
+    assert a.keys() == b.keys() == set(range(1, 7))
+    for step in a:
+        assert abs(a[step] - b[step]) / a[step] < 2e-2, (step, a[step], b[step])
+    assert b[6] < b[1]

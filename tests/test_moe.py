@@ -129,3 +129,34 @@ def test_lr_schedule():
     assert lr_at(0, 11, lin) == 1.0 and lr_at(5, 11, lin) == pytest.approx(0.5) and lr_at(10, 11, lin) == 0.0
     const = OptimConfig(lr=1.0, warmup_steps=2, decay="constant")
     assert lr_at(1, 10, const) == 1.0 and lr_at(9, 10, const) == 1.0
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,v_dim,window,sinks", [
+    (4, 2, 8, 8, None, False),  # GQA, causal
+    (4, 4, 12, 6, None, False),  # MLA-like: value size differs from key size
+    (4, 1, 8, 8, 5, True),  # GPT-OSS: sliding window across block edges, sinks
+    (2, 2, 8, 8, 3, False),
+])
+def test_ring_attention_block_math_matches_attend(heads, kv_heads, dim, v_dim, window, sinks):
+    """The ring's blockwise forward (LSE merging, skipped blocks) and hand-written backward on one
+    rank equal SDPA through `attend`: outputs and the gradients of q, k, v and the sinks."""
+    from pithtrain.layers.attention import attend
+    from pithtrain.parallel.context import ContextGroup, ring_attention
+
+    gen = torch.Generator().manual_seed(3)
+    B, S = 2, 16
+    q = torch.randn(B, heads, S, dim, generator=gen, requires_grad=True)
+    k = torch.randn(B, kv_heads, S, dim, generator=gen, requires_grad=True)
+    v = torch.randn(B, kv_heads, S, v_dim, generator=gen, requires_grad=True)
+    s = torch.randn(heads, generator=gen, requires_grad=True) if sinks else None
+    scale = 0.3
+    ours = ring_attention(q, k, v, ContextGroup(None, 1, 0), scale=scale, window=window, sinks=s)
+    ours = ours.transpose(1, 2).reshape(B, S, -1)
+    ref = attend(q, k, v, scale=scale, window=window, sinks=s)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(ref)
+    inputs = [q, k, v] + ([s] if sinks else [])
+    got = torch.autograd.grad((ours * g).sum(), inputs)
+    want = torch.autograd.grad((ref * g).sum(), inputs)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

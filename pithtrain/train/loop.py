@@ -182,7 +182,8 @@ def train(cfg: RunConfig) -> dict:
     D = layout.data_ranks
     val_idx = validation_batches(val_ds, d.micro_batch_size * D, d.val_batches)
     sampler = GlobalBatchSampler(len(train_ds), d.global_batch_size, cfg.train.seed)
-    mesh = init_distributed(layout, device.type) if layout.world > 1 else None
+    launched = "TORCHELASTIC_RUN_ID" in os.environ or layout.world > 1  # under torchrun: the sharded path
+    mesh = init_distributed(layout, device.type) if launched else None
     device = mesh.device if mesh is not None else device
     rank0 = mesh is None or mesh.rank == 0
     val_batches = [rank_batches(val_ds, idx, d.micro_batch_size, mesh) for idx in val_idx]
@@ -209,7 +210,7 @@ def train(cfg: RunConfig) -> dict:
                  tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb, wandb_project=cfg.log.wandb_project,
                  config=cfg.to_dict()) if rank0 else QuietLog()
     if mesh is not None:
-        log.say(f"layout {layout.describe()} on {layout.world} processes ({device.type})")
+        log.say(f"parallel layout: {layout.describe()}, {layout.world} process(es) on {device.type}")
     if path is not None:
         log.say(f"resumed from {path} at step {start}")
     elif cfg.checkpoint.init_from:
