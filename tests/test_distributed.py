@@ -55,7 +55,7 @@ def final_checkpoint(run_dir: str) -> str:
 def family_run(tmp_path, corpus: str, family: str) -> str:
     """run.toml + config.json of a tiny `family` model: 3 steps, global batch 8, micro-batch 2."""
     model, moe = FAMILIES[family]
-    toml = write_run(tmp_path, corpus, f"steps = {STEPS}\n[moe]\n{moe}")
+    toml = write_run(tmp_path, corpus, f"steps = {STEPS}\ndevice = \"cpu\"\n[moe]\n{moe}")  # gloo, also on GPU hosts
     (tmp_path / "config.json").write_text(json.dumps(model))
     text = open(toml).read().replace("global_batch_size = 4", f"global_batch_size = {GLOBAL}")
     open(toml, "w").write(text.replace("val_every = 4", "val_every = 0"))
