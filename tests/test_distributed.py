@@ -183,3 +183,22 @@ def test_single_process_with_a_parallel_layout_is_an_error(tmp_path, tiny_corpus
     assert proc.returncode != 0
     assert "world size 1 is not a multiple" in proc.stderr + proc.stdout
     assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
+
+
+def test_init_from_single_process_weights_under_ep2(tmp_path, tiny_corpus, reference):
+    """`checkpoint.init_from` (weights only, as `pithtrain convert hf-to-dcp` writes them) of a
+    single-process checkpoint under ep2: the first step equals the single-process run from the
+    same weights."""
+    weights = final_checkpoint(reference("qwen3", 2))
+    runs = {}
+    for name in ("single", "ep2"):
+        d = tmp_path / name
+        d.mkdir()
+        toml = family_run(d, tiny_corpus, "qwen3")
+        if name == "single":
+            run_cli("train", toml, "data.micro_batch_size=4", f"checkpoint.init_from={weights}")
+        else:
+            torchrun(2, toml, "parallel.ep=2", f"checkpoint.init_from={weights}")
+        runs[name] = losses(str(d / "run"))
+    for step in runs["single"]:
+        assert runs["ep2"][step] == pytest.approx(runs["single"][step], rel=1e-5)
