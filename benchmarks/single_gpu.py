@@ -60,6 +60,22 @@ def measure(step, args, tokens: int, fpt: float) -> dict:
                 peak_gb=torch.cuda.max_memory_allocated() / 2**30)
 
 
+def profile(step, out_dir: str) -> None:
+    """Two profiled steps: the CUDA kernel table (by total time) printed and saved, and a trace."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    os.makedirs(out_dir, exist_ok=True)
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=90)
+    with open(os.path.join(out_dir, "kernels.txt"), "w") as f:
+        f.write(table)
+    print(table)
+    prof.export_chrome_trace(os.path.join(out_dir, "trace.json"))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen3_30b_a3b", choices=["qwen3_30b_a3b", "deepseek_v2_lite", "gpt_oss_20b"])
@@ -69,6 +85,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--only", choices=["ours", "hf", "both"], default="both")
+    p.add_argument("--profile", default="", help="also profile two steps of ours: kernel table + trace in this dir")
     args = p.parse_args()
     with open(os.path.join(EXAMPLES, args.model, "config.json")) as f:
         cfg = {**json.load(f), "num_hidden_layers": args.layers}
@@ -100,6 +117,8 @@ def main() -> None:
             opt.zero_grad(set_to_none=True)
 
         results["ours"] = measure(step_ours, args, tokens, fpt)
+        if args.profile:
+            profile(step_ours, args.profile)
         del opt
     del ours
     torch.cuda.empty_cache()

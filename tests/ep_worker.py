@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from pithtrain.layers.moe import GroupedExperts
 from pithtrain.layers.transformer import _seed
-from pithtrain.ops.permute import permute, sort_by_expert, unpermute
+from pithtrain.ops.permute import combine, permute, sort_by_expert
 from pithtrain.parallel import expert
 
 torch.set_num_threads(1)
@@ -45,7 +45,7 @@ dist.all_gather(g_up, local.gate_up_proj.grad)
 x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
 order, inverse, counts = sort_by_expert(ids, E)
 out = full(permute(x2, order, inverse, k), torch.cumsum(counts, 0).to(torch.int32))
-ref = torch.bmm(w2.unsqueeze(1), unpermute(out, order, inverse).view(N, k, H)).view(N, H)
+ref = combine(out, order, inverse, k, w2)
 (ref * grad_out).sum().backward()
 torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
 torch.testing.assert_close(gx, x2.grad, rtol=1e-5, atol=1e-6)

@@ -8,7 +8,7 @@ import torch
 from pithtrain.layers.moe import (BalanceOptions, GroupedExperts, MoEBlock, TopKRouter, aux_free_update, load_fraction,
                                   micro_batch_aux_loss, sequence_aux_loss, z_loss)
 from pithtrain.ops.grouped_mm import grouped_mm_reference
-from pithtrain.ops.permute import permute, sort_by_expert, unpermute
+from pithtrain.ops.permute import combine, permute, sort_by_expert
 from pithtrain.config import OptimConfig
 from pithtrain.train.optim import lr_at
 
@@ -105,11 +105,19 @@ def test_permute_roundtrip_and_backward():
     rows = permute(x, order, inverse, k)
     assert torch.equal(rows, x.repeat_interleave(k, 0)[order])
     assert torch.equal(ids.flatten()[order], torch.sort(ids.flatten(), stable=True).values)
-    back = unpermute(rows, order, inverse).view(N, k, H)
-    assert torch.equal(back, x.unsqueeze(1).expand(N, k, H))
+    w = torch.rand(N, k, dtype=torch.float64, requires_grad=True)
+    back = combine(rows, order, inverse, k, w)
+    assert torch.allclose(back, x * w.sum(1, keepdim=True))
     torch.autograd.gradcheck(lambda t: permute(t, order, inverse, k), (x,))
     r = torch.randn(N * k, H, dtype=torch.float64, requires_grad=True)
-    torch.autograd.gradcheck(lambda t: unpermute(t, order, inverse), (r,))
+    torch.autograd.gradcheck(lambda t, u: combine(t, order, inverse, k, u), (r, w))
+    # Pairs without a row (pos = M): zero contributions, zero gradients.
+    keep = order[: N * k - 4]
+    pos = torch.full((N * k,), keep.shape[0], dtype=torch.long)
+    pos[keep] = torch.arange(keep.shape[0])
+    r2 = torch.randn(keep.shape[0], H, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(lambda t, u: combine(t, keep, pos, k, u), (r2, w))
+    torch.autograd.gradcheck(lambda t: permute(t, keep, pos, k), (x,))
 
 
 def test_grouped_mm_reference_with_empty_groups():

@@ -39,7 +39,7 @@ from torch import nn
 
 from pithtrain.ops.grouped_mm import grouped_mm
 from pithtrain.ops.swiglu import swiglu
-from pithtrain.ops.permute import permute, sort_by_expert, unpermute
+from pithtrain.ops.permute import combine, count, permute, sort_by_expert
 from pithtrain.parallel import expert as ep_exchange
 
 
@@ -269,7 +269,7 @@ class MoEBlock(nn.Module):
         if self.ep is None:
             order, inverse, local_counts = sort_by_expert(ids, self.num_experts)
         else:
-            local_counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts)
+            local_counts = count(ids, self.num_experts)
         counts = local_counts
         if self.training:
             with torch.no_grad():
@@ -321,10 +321,7 @@ class MoEBlock(nn.Module):
         """Expert outputs back to token order and summed with the routing weights -> [B, S, H]."""
         if self.ep is not None:
             return ep_exchange.aggregate(rows, plan)
-        B, S, H = plan.shape
-        per_slot = unpermute(rows, plan.order, plan.inverse).view(B * S, self.top_k, H)
-        out = torch.bmm(plan.weights.unsqueeze(1).to(per_slot.dtype), per_slot)
-        return out.view(B, S, H)
+        return combine(rows, plan.order, plan.inverse, self.top_k, plan.weights).view(plan.shape)
 
     @torch.no_grad()
     def end_step(self) -> dict:

@@ -17,13 +17,13 @@ import hashlib
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from pithtrain.layers.moe import GroupedExperts, MoEBlock, RoutePlan
 from pithtrain.layers.norm import RMSNorm
 from pithtrain.layers.rope import RotaryEmbedding
+from pithtrain.ops.cross_entropy import linear_cross_entropy
 
 
 @dataclass
@@ -101,6 +101,17 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(hidden, eps)
 
 
+class LMHead(nn.Linear):
+    """The output projection. With labels it returns the summed cross-entropy instead of logits,
+    fused with the projection in chunks (`ops/cross_entropy.py`), so no full logits exist; it is
+    called as a module either way, so FSDP gathers its weight as for any layer."""
+
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is None:
+            return super().forward(h)
+        return linear_cross_entropy(h.flatten(0, -2), self.weight, labels.flatten())
+
+
 class CausalLM(nn.Module):
     """A decoder-only LM with Hugging Face parameter names (`model.layers.N...`, `lm_head`)."""
 
@@ -111,7 +122,7 @@ class CausalLM(nn.Module):
         self.cp = None  # a parallel.context.ContextGroup: this rank holds two blocks of each sequence
         self.model = Backbone(vocab, hidden, layers, eps)
         self.rotary_emb = rope
-        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        self.lm_head = LMHead(hidden, vocab, bias=False)
         if tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -146,10 +157,7 @@ class CausalLM(nn.Module):
         ctx = self.context(input_ids, position_ids, aux_weight, dtype)
         for layer in self.model.layers.values():
             h = layer(h, ctx)
-        logits = self.lm_head(self.model.norm(h))
-        if labels is None:
-            return logits
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+        return self.lm_head(self.model.norm(h), labels)
 
 
 def _seed(seed: int, name: str, expert: int | None = None) -> int:

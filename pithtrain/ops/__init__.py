@@ -1,0 +1,16 @@
+"""Fused ops: Triton kernels on CUDA (and on CPU under TRITON_INTERPRET=1, for tests), their
+torch twins elsewhere. Each op's module says what its kernel fuses and why that is faster."""
+
+import os
+
+import torch
+
+try:
+    import triton
+except ImportError:  # CPU-only installs: the torch twins run
+    triton = None
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels run for `x` (2-D tensors on CUDA, or anywhere when interpreting)."""
+    return triton is not None and x.dim() == 2 and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")

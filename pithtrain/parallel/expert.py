@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from pithtrain.ops.permute import permute, unpermute
+from pithtrain.ops.permute import combine as combine_rows, count, permute
 
 
 @dataclass
@@ -94,8 +94,8 @@ def plan(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ep: ExpertGr
     earlier = (dest[:, :, None] == dest[:, None, :]).tril(-1).any(-1)  # same rank chosen by an earlier slot
     key = torch.where(earlier, ep.size, dest).reshape(-1)  # duplicates sort last, past every rank
     order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=ep.size + 1)
-    pairs = torch.bincount(dest.reshape(-1), minlength=ep.size)
+    counts = count(key, ep.size + 1)
+    pairs = count(dest, ep.size)
     recv = torch.empty(2 * ep.size, dtype=counts.dtype, device=counts.device)
     dist.all_to_all_single(recv, torch.stack([counts[:ep.size], pairs], 1).reshape(-1).contiguous(), group=ep.group)
     send_splits = counts[:ep.size].tolist()
@@ -130,10 +130,9 @@ def compute(rows: torch.Tensor, p: ExchangePlan, ep: ExpertGroup, experts) -> to
     order = torch.argsort(key, stable=True)[:p.recv_pairs]
     pos = torch.full((R * k,), p.recv_pairs, dtype=order.dtype, device=order.device)
     pos[order] = torch.arange(p.recv_pairs, device=order.device)
-    offsets = torch.cumsum(torch.bincount(key, minlength=ep.per_rank + 1)[:ep.per_rank], 0).to(torch.int32)
+    offsets = torch.cumsum(count(key, ep.per_rank + 1)[:ep.per_rank], 0).to(torch.int32)
     out = experts(permute(rows, order, pos, k), offsets)
-    per_slot = unpermute(out, order, pos).view(R, k, -1)
-    return torch.bmm(p.recv_weights.unsqueeze(1).to(per_slot.dtype), per_slot).squeeze(1)
+    return combine_rows(out, order, pos, k, p.recv_weights)
 
 
 def combine(rows: torch.Tensor, p: ExchangePlan, ep: ExpertGroup) -> torch.Tensor:
@@ -143,8 +142,7 @@ def combine(rows: torch.Tensor, p: ExchangePlan, ep: ExpertGroup) -> torch.Tenso
 
 def aggregate(rows: torch.Tensor, p: ExchangePlan) -> torch.Tensor:
     """Rows that came back -> [B, S, H]: each token sums one row per destination rank it used."""
-    B, S, H = p.shape
-    return unpermute(rows, p.send_order, p.send_pos).view(B * S, p.k, H).sum(1).view(B, S, H)
+    return combine_rows(rows, p.send_order, p.send_pos, p.k).view(p.shape)
 
 
 def dispatch_rows(ids: torch.Tensor, num_experts: int, ep_size: int) -> tuple[int, int]:

@@ -1,0 +1,61 @@
+"""Fused ops against their torch twins (CPU here; tests/test_gpu.py repeats them on CUDA)."""
+
+import os
+
+import pytest
+import torch
+
+from pithtrain.ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
+
+
+@pytest.mark.parametrize("n,chunk", [(37, 8), (64, 64), (5, 16), (100, 33)])
+def test_linear_cross_entropy_matches_twin(n, chunk):
+    gen = torch.Generator().manual_seed(n)
+    h = torch.randn(n, 24, generator=gen, requires_grad=True)
+    w = (torch.randn(211, 24, generator=gen) * 0.3).requires_grad_()
+    labels = torch.randint(0, 211, (n,), generator=gen)
+    labels[::4] = -100  # ignored rows: no loss, no gradient
+    got = linear_cross_entropy(h, w, labels, chunk=chunk)
+    want = linear_cross_entropy_reference(h, w, labels)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    scale = 0.37  # the incoming gradient scales the precomputed ones
+    gh, gw = torch.autograd.grad(got * scale, [h, w])
+    rh, rw = torch.autograd.grad(want * scale, [h, w])
+    torch.testing.assert_close(gh, rh, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gw, rw, rtol=1e-5, atol=1e-6)
+    assert gh[::4].abs().max() == 0
+
+
+def test_linear_cross_entropy_without_grad_and_all_ignored():
+    h, w = torch.randn(10, 8), torch.randn(30, 8)
+    labels = torch.randint(0, 30, (10,))
+    with torch.no_grad():
+        torch.testing.assert_close(linear_cross_entropy(h, w, labels, chunk=3),
+                                   linear_cross_entropy_reference(h, w, labels))
+    h.requires_grad_()
+    loss = linear_cross_entropy(h, w, torch.full((10,), -100), chunk=4)
+    loss.backward()
+    assert loss.item() == 0 and h.grad.abs().max() == 0
+
+
+def test_triton_kernels_match_twins_in_the_interpreter():
+    """Every Triton kernel against its torch twin on CPU, run by the Triton interpreter."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, os.path.join(root, "tests", "kernel_checks.py"), "cpu"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0 and "kernel checks passed" in proc.stdout, proc.stdout + proc.stderr[-4000:]
+
+
+def test_activation_twins_on_cpu():
+    """The CPU path is the twin (no Triton outside CUDA unless interpreting)."""
+    from pithtrain.ops import swiglu as sw
+
+    x = torch.randn(5, 8)
+    torch.testing.assert_close(sw.swiglu(x), torch.nn.functional.silu(x[:, :4]) * x[:, 4:])
+    assert not sw.use_triton(x) or os.environ.get("TRITON_INTERPRET") == "1"
