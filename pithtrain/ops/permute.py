@@ -89,7 +89,8 @@ if triton is not None:
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for j in range(K):
             p = tl.load(pos_ptr + t * K + j)
-            v = tl.load(rows_ptr + p * H + cols, mask=mask & (p < M), other=0.0).to(tl.float32)
+            keep = (p < M).to(tl.float32)  # pos = M: no row, the slot adds zero
+            v = tl.load(rows_ptr + tl.where(p < M, p, 0) * H + cols, mask=mask, other=0.0).to(tl.float32) * keep
             if WEIGHTED:
                 v = v * tl.load(w_ptr + t * K + j).to(tl.float32)
             acc += v
@@ -100,10 +101,10 @@ if triton is not None:
         pair = tl.program_id(0).to(tl.int64)
         p = tl.load(pos_ptr + pair)
         cols = tl.arange(0, BLOCK_H)  # the whole row at once (BLOCK_H: H rounded up to a power of 2)
-        mask = (cols < H) & (p < M)
-        r = tl.load(rows_ptr + p * H + cols, mask=mask, other=0.0).to(tl.float32)
+        mask = cols < H
+        r = tl.load(rows_ptr + tl.where(p < M, p, 0) * H + cols, mask=mask, other=0.0).to(tl.float32)
         d = tl.load(dout_ptr + (pair // K) * H + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dw_ptr + pair, tl.sum(r * d, axis=0))
+        tl.store(dw_ptr + pair, tl.sum(r * d, axis=0) * (p < M).to(tl.float32))
 
 
 _BLOCK = 1024
@@ -122,7 +123,7 @@ def gather_rows(src, order, k, scale=None):
 
 
 def sum_slots(rows, pos, k, weights=None):
-    if not use_triton(rows):
+    if not use_triton(rows) or rows.shape[0] == 0:  # no rows at all: the twin gives the zeros
         return sum_slots_reference(rows, pos, k, weights)
     rows = rows.contiguous()
     H, N = rows.shape[1], pos.shape[0] // k
@@ -135,7 +136,7 @@ def sum_slots(rows, pos, k, weights=None):
 
 
 def slot_dots(rows, dout, pos, k):
-    if not use_triton(rows):
+    if not use_triton(rows) or rows.shape[0] == 0:
         return slot_dots_reference(rows, dout, pos, k)
     dw = torch.empty(pos.shape[0], dtype=torch.float32, device=rows.device)
     if pos.shape[0]:
