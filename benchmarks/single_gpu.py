@@ -7,8 +7,10 @@ Builds a `--layers`-layer proxy of an example model (`examples/<model>/config.js
 DeepSeek-V2-Lite, GPT-OSS-20B), initialises ours, loads the same weights into the transformers
 model (grouped_mm experts; SDPA attention, flex_attention for GPT-OSS whose SDPA path transformers
 does not support), and times training steps of each (AdamW, warm-up steps first, CUDA events,
-median). Ours runs as it trains: fp32 master weights under bf16 autocast. HF runs as its harness
-in docs/performance.md does: bf16 weights, fused AdamW.
+median). Ours runs as it trains: fp32 master weights under bf16 autocast (`--weights fp32`), or with bf16
+weights and AdamW states as the HF side (`--weights bf16`). HF runs as its harness in
+docs/performance.md does: bf16 weights, fused AdamW. MFU is given against 989 TFLOP/s (the H200's
+dense bf16 figure) and against a bf16 8192^3 matmul measured in the same run.
 Model FLOPs per token (training = 3 x forward): 6 * active parameters without the input
 embedding + 3 * per layer 2 * keys * heads * (qk_dim + v_dim), keys = S/2 under full causal
 attention and the window under a sliding window.
@@ -53,10 +55,18 @@ def time_steps(step, warmup: int, steps: int) -> float:
     return statistics.median(times)
 
 
-def measure(step, args, tokens: int, fpt: float) -> dict:
+def matmul_ceiling() -> float:
+    """bf16 8192^3 matmul TFLOP/s on this GPU now (median of 20): the MFU denominator we can reach."""
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    t = time_steps(lambda: a @ b, 5, 20)
+    return 2 * 8192**3 / t / 1e12
+
+
+def measure(step, args, tokens: int, fpt: float, ceiling: float) -> dict:
     torch.cuda.reset_peak_memory_stats()
     t = time_steps(step, args.warmup, args.steps)
-    return dict(step_s=t, tokens_per_s=tokens / t, tflops=fpt * tokens / t / 1e12,
+    tflops = fpt * tokens / t / 1e12
+    return dict(step_s=t, tokens_per_s=tokens / t, tflops=tflops, mfu_989=tflops / 989, mfu_ceiling=tflops / ceiling,
                 peak_gb=torch.cuda.max_memory_allocated() / 2**30)
 
 
@@ -73,7 +83,7 @@ def profile(step, out_dir: str) -> None:
     with open(os.path.join(out_dir, "kernels.txt"), "w") as f:
         f.write(table)
     print(table)
-    prof.export_chrome_trace(os.path.join(out_dir, "trace.json"))
+    prof.export_chrome_trace(os.path.join(out_dir, "trace.json.gz"))
 
 
 def main() -> None:
@@ -85,7 +95,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--only", choices=["ours", "hf", "both"], default="both")
-    p.add_argument("--profile", default="", help="also profile two steps of ours: kernel table + trace in this dir")
+    p.add_argument("--profile", default="", help="also profile two steps of each: kernel table + trace in DIR/ours, DIR/hf")
+    p.add_argument("--compile", choices=["on", "off"], default="on", help="torch.compile of our dense parts")
+    p.add_argument("--recompute", choices=["none", "attention", "experts", "both"], default="none")
+    p.add_argument("--weights", choices=["fp32", "bf16"], default="fp32",
+                   help="ours with fp32 master weights under bf16 autocast (as pithtrain train runs), or bf16 weights "
+                        "and AdamW states as the HF side")
     args = p.parse_args()
     with open(os.path.join(EXAMPLES, args.model, "config.json")) as f:
         cfg = {**json.load(f), "num_hidden_layers": args.layers}
@@ -95,9 +110,10 @@ def main() -> None:
     ids = torch.randint(0, cfg["vocab_size"], (args.mbs, args.seq + 1), device=dev)
     inputs, labels = ids[:, :-1], ids[:, 1:]
     tokens = args.mbs * args.seq
-    results = {}
+    ceiling = matmul_ceiling()
+    results = {"matmul_ceiling_tflops": ceiling}
 
-    from pithtrain.layers.transformer import init_weights
+    from pithtrain.layers.transformer import cast_parameters, init_weights
     from pithtrain.models import build_model
 
     with torch.device(dev):
@@ -107,18 +123,23 @@ def main() -> None:
     state = {k: v.to(torch.bfloat16) for k, v in ours.state_dict().items()}
 
     if args.only in ("ours", "both"):
+        if args.weights == "bf16":
+            cast_parameters(ours, torch.bfloat16)
+        ours.set_recompute(args.recompute in ("attention", "both"), args.recompute in ("experts", "both"))
+        if args.compile == "on":
+            ours.compile_dense()
         opt = torch.optim.AdamW(ours.parameters(), lr=1e-4, fused=True)
 
         def step_ours():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.weights == "fp32"):
                 loss = ours(inputs, labels=labels) / tokens
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        results["ours"] = measure(step_ours, args, tokens, fpt)
+        results["ours"] = measure(step_ours, args, tokens, fpt, ceiling)
         if args.profile:
-            profile(step_ours, args.profile)
+            profile(step_ours, os.path.join(args.profile, "ours"))
         del opt
     del ours
     torch.cuda.empty_cache()
@@ -142,11 +163,14 @@ def main() -> None:
             hopt.step()
             hopt.zero_grad(set_to_none=True)
 
-        results["hf"] = measure(step_hf, args, tokens, fpt)
+        results["hf"] = measure(step_hf, args, tokens, fpt, ceiling)
+        if args.profile:
+            profile(step_hf, os.path.join(args.profile, "hf"))
     if "ours" in results and "hf" in results:
         results["ratio_tokens_per_s"] = results["ours"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
         results["ratio_peak_mem"] = results["ours"]["peak_gb"] / results["hf"]["peak_gb"]
     results["config"] = dict(model=args.model, layers=args.layers, seq=args.seq, mbs=args.mbs, steps=args.steps,
+                             weights=args.weights, compile=args.compile, recompute=args.recompute,
                              flops_per_token=fpt, device=torch.cuda.get_device_name())
     print(json.dumps(results, indent=1))
 

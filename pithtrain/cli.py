@@ -104,6 +104,17 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_bench(bench_args: list[str]) -> int:
+    import runpy
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "single_gpu.py")
+    if not os.path.isfile(script):
+        raise ConfigError(f"{script} not found: `pithtrain bench` runs from a source checkout of PithTrain")
+    sys.argv = [script] + bench_args
+    runpy.run_path(script, run_name="__main__")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pithtrain", description="Train mixture-of-experts language models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -136,6 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="section.key=value overrides of examples/demo.toml")
     p.set_defaults(func=cmd_demo)
 
+    sub.add_parser("bench", help="GPU benchmark, ours vs Hugging Face in one process: benchmarks/single_gpu.py "
+                                 "with the options that follow (pithtrain bench --help lists them)")
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # everything after it belongs to the benchmark's own parser
+        return cmd_bench(argv[1:])
     args = parser.parse_args(argv)
     from pithtrain.train.checkpoint import CheckpointError
     from pithtrain.train.data import CorpusError

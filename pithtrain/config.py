@@ -28,6 +28,11 @@ class TrainConfig:
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
+    # Parameters, gradients and AdamW states: fp32 (master weights; bf16 compute under autocast) or
+    # bf16 (half the memory; updates below bf16's resolution of a weight are lost).
+    param_dtype: Literal["fp32", "bf16"] = "fp32"
+    compile: Literal["auto", "on", "off"] = "auto"  # torch.compile of the dense parts; auto: on with CUDA
+    recompute: Literal["none", "attention", "experts", "both"] = "none"  # activation recompute in backward
     threads: int = 0  # torch intra-op threads on CPU; 0 leaves torch's default
 
 
@@ -39,6 +44,7 @@ class DataConfig:
     global_batch_size: int = 8  # sequences per optimizer step (micro_batch_size * accumulation)
     val_every: int = 50  # validation every N steps (0: only at the end)
     val_batches: int = 4
+    document_mask: bool = False  # attention stays inside each packed document; positions restart per document
 
 
 @dataclass
@@ -303,6 +309,11 @@ def validate(cfg: RunConfig) -> None:
             f"model.num_experts_per_tok = {hf['num_experts_per_tok']} exceeds model.num_experts = "
             f"{hf['num_experts']}"
         )
+    if t.param_dtype == "bf16" and t.dtype == "fp32":
+        raise ConfigError("train.param_dtype = 'bf16' needs bf16 compute: set train.dtype to 'bf16' or 'auto'")
+    if d.document_mask and cfg.parallel.cp > 1:
+        raise ConfigError(f"data.document_mask is not supported with parallel.cp = {cfg.parallel.cp} (ring "
+                          "attention has no document masks); use parallel.cp=1 or data.document_mask=false")
     if d.seq_len > hf.get("max_position_embeddings", d.seq_len):
         raise ConfigError(
             f"data.seq_len = {d.seq_len} exceeds model.max_position_embeddings = {hf['max_position_embeddings']}"

@@ -5,6 +5,7 @@ import sys
 
 import torch
 
+from pithtrain.ops import cross_entropy as ce
 from pithtrain.ops import permute as pm
 from pithtrain.ops import swiglu as sw
 
@@ -62,9 +63,35 @@ def check_permute(device: str) -> None:
                 assert err < tol, (N, k, H, drop, dtype, err)
 
 
+def check_cross_entropy_rows(device: str) -> None:
+    """ce_rows (Triton: row losses, gradient over the logits) against its twin, with ignored rows,
+    a vocabulary that is not a multiple of the block, and a row whose label is the last column."""
+    assert ce.use_triton(torch.empty(1, 2, device=device)), "the Triton path is not taken"
+    gen = torch.Generator(device).manual_seed(2)
+    cases = [(5, 5000), (3, 7), (0, 100)] + ([(64, 151936), (33, 1000)] if device == "cuda" else [])
+    for n, V in cases:
+        for dtype in ([torch.float32, torch.bfloat16] if device == "cuda" else [torch.float32]):
+            tol = 1e-5 if dtype == torch.float32 else 1e-2
+            logits = (torch.randn(n, V, device=device, generator=gen) * 4).to(dtype)
+            labels = torch.randint(0, V, (n,), device=device, generator=gen)
+            if n:
+                labels[0] = V - 1
+                labels[n // 2] = -100
+            want_loss, want_g = ce.ce_rows_reference(logits.clone(), labels, -100, True)
+            loss, g = ce.ce_rows(logits.clone(), labels, -100, True)
+            loss_only, none = ce.ce_rows(logits.clone(), labels, -100, False)
+            assert none is None and torch.equal(loss_only, loss)
+            for got, want in [(loss, want_loss), (g, want_g)]:
+                err = ((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-30)).item()
+                assert err < tol, (n, V, dtype, err)
+            if n:
+                assert loss[n // 2] == 0 and g[n // 2].abs().sum() == 0
+
+
 def run_all(device: str) -> None:
     check_swiglu(device)
     check_permute(device)
+    check_cross_entropy_rows(device)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,26 @@
 """Self-attention: grouped-query attention (Qwen3, GPT-OSS) and multi-head latent attention
-(DeepSeek-V2/V3), both through `attend`, the one place where scores are computed (SDPA).
+(DeepSeek-V2/V3), both through `attend`, the one place where scores are computed.
 
 `attend` options:
 - `window`: sliding-window causal attention; a query sees itself and the `window - 1` keys
   before it (GPT-OSS's sliding layers).
 - `sinks`: one learned logit per query head that joins every softmax row and takes probability
-  mass but has no value (GPT-OSS). It is run through SDPA by adding a key: the query gains one
-  more dimension holding sink/scale, every real key holds 0 there, and an extra key (visible to
-  all queries, value 0) holds 1 there and 0 elsewhere, so its score is exactly the sink logit.
+  mass but has no value (GPT-OSS).
+- `ctx.docs` (document masking of packed sequences, [B, S] document index): a query sees only
+  keys of its own document.
+
+Backends, chosen per call:
+- plain causal attention: SDPA (on the H200 torch picks cuDNN's kernel, ~335 TFLOP/s fwd+bwd on
+  Qwen3's shape against ~180 for flash; benchmarks/kernels.py measures both);
+- any mask option on CUDA: FlexAttention (compiled once; `CausalLM.context` makes the block masks
+  of a micro-batch and hands them over in `ctx.masks`), whose block mask skips the key blocks a
+  window or a document boundary rules out, instead of computing the whole S x S square. Sinks are
+  applied to its output exactly: with Z the sum of exp(scores) of a row and lse = log Z, the sink
+  adds exp(sink) to the denominator, so out = out_flex * Z / (Z + exp(sink)) = out_flex *
+  sigmoid(lse - sink), and the gradient flows through lse as well;
+- any mask option elsewhere (CPU): SDPA with an explicit boolean mask; sinks join as an extra key:
+  the query gains one dimension holding sink/scale, every real key holds 0 there, and an extra key
+  (visible to all queries, value 0) holds 1 there and 0 elsewhere, so its score is the sink logit.
 """
 
 import torch
@@ -18,16 +31,62 @@ from pithtrain.layers.norm import RMSNorm
 from pithtrain.layers.rope import apply_rope
 
 
-def _mask(S: int, window: int | None, sink: bool, device) -> torch.Tensor:
-    """Boolean [S, S (+1)] mask, True where attention is allowed; with `sink` column 0 is the sink."""
+def _mask(S: int, window: int | None, sink: bool, device, docs: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean [S, S (+1)] mask ([B, 1, S, S (+1)] with `docs`), True where attention is allowed;
+    with `sink` column 0 is the sink."""
     q = torch.arange(S, device=device)[:, None]
     k = torch.arange(S, device=device)[None, :]
     allowed = k <= q
     if window is not None:
         allowed &= k > q - window
+    if docs is not None:
+        allowed = (allowed & (docs[:, :, None] == docs[:, None, :]))[:, None]
     if sink:
-        allowed = torch.cat([torch.ones(S, 1, dtype=torch.bool, device=device), allowed], dim=1)
+        allowed = torch.cat([torch.ones(*allowed.shape[:-1], 1, dtype=torch.bool, device=device), allowed], dim=-1)
     return allowed
+
+
+_flex = None
+_causal_masks: dict = {}
+
+
+def block_masks(windows: set, batch: int, S: int, docs: torch.Tensor | None, device) -> dict:
+    """FlexAttention block masks, one per window size in `windows` (None: full causal), for
+    sequences of S tokens (per sequence when `docs` is given). Made once per micro-batch outside
+    any compiled region; those without documents are cached."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    out = {}
+    for window in windows:
+        key = (S, window, str(device))
+        if docs is None and key in _causal_masks:
+            out[window] = _causal_masks[key]
+            continue
+
+        def allowed(b, h, qi, ki, window=window):
+            ok = ki <= qi
+            if window is not None:
+                ok = ok & (ki > qi - window)
+            if docs is not None:
+                ok = ok & (docs[b, qi] == docs[b, ki])
+            return ok
+
+        out[window] = create_block_mask(allowed, batch if docs is not None else None, None, S, S, device=device)
+        if docs is None:
+            _causal_masks[key] = out[window]
+    return out
+
+
+def _flex_attention(q, k, v, scale: float, mask, sinks: torch.Tensor | None):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    global _flex
+    if _flex is None:
+        _flex = torch.compile(flex_attention, fullgraph=True, dynamic=False)
+    out, lse = _flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1], return_lse=True)
+    if sinks is not None:
+        out = out * torch.sigmoid(lse - sinks.float()[None, :, None]).unsqueeze(-1).to(out.dtype)
+    return out
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
@@ -38,14 +97,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | 
     B, Hq, S, D = q.shape
     Hk = k.shape[1]
     scale = D ** -0.5 if scale is None else scale
+    docs = getattr(ctx, "docs", None)
     if ctx is not None and ctx.cp is not None:
         from pithtrain.parallel.context import ring_attention
 
         out = ring_attention(q, k, v, ctx.cp, scale=scale, window=window, sinks=sinks)
         return out.transpose(1, 2).reshape(B, S, -1)
-    if window is None and sinks is None:
+    if window is None and sinks is None and docs is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=Hk != Hq)
         return out.transpose(1, 2).reshape(B, S, -1)
+    masks = getattr(ctx, "masks", None)
+    if masks is not None and min(D, v.shape[-1]) >= 16:  # FlexAttention (CUDA; its kernels need heads >= 16)
+        return _flex_attention(q, k, v, scale, masks[window], sinks).transpose(1, 2).reshape(B, S, -1)
     if Hk != Hq:  # explicit masks: expand the kv heads rather than rely on GQA support per backend
         k, v = k.repeat_interleave(Hq // Hk, dim=1), v.repeat_interleave(Hq // Hk, dim=1)
     if sinks is not None:
@@ -58,7 +121,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | 
         sink_key[..., D] = 1
         k = torch.cat([sink_key, k], dim=2)
         v = torch.cat([v.new_zeros(B, Hq, 1, v.shape[-1]), v], dim=2)
-    mask = _mask(S, window, sinks is not None, q.device)
+    mask = _mask(S, window, sinks is not None, q.device, docs)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return out.transpose(1, 2).reshape(B, S, -1)
 

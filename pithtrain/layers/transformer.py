@@ -19,7 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils.checkpoint import checkpoint
 
+from pithtrain.layers.attention import block_masks
 from pithtrain.layers.moe import GroupedExperts, MoEBlock, RoutePlan
 from pithtrain.layers.norm import RMSNorm
 from pithtrain.layers.rope import RotaryEmbedding
@@ -34,6 +36,8 @@ class ForwardContext:
     sin: torch.Tensor
     aux_weight: float = 0.0  # share of the step's tokens in this micro-batch; 0: no balancing loss
     cp: object = None  # parallel.context.ContextGroup when the sequence is split over ranks
+    docs: torch.Tensor | None = None  # [B, S] document index of each token (document masking)
+    masks: dict | None = None  # FlexAttention block masks by window (CUDA, when a mask is needed)
 
 
 @dataclass
@@ -54,10 +58,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.is_moe = isinstance(mlp, MoEBlock)
+        self.recompute_attention = self.recompute_experts = False  # set by CausalLM.set_recompute
+
+    def attention_block(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Norm, attention, residual, post-attention norm: (h, normed h). One compiled graph."""
+        h = x + self.self_attn(self.input_layernorm(x), ctx)
+        return h, self.post_attention_layernorm(h)
 
     def stage_attention(self, x: torch.Tensor, ctx: ForwardContext) -> LayerState:
-        h = x + self.self_attn(self.input_layernorm(x), ctx)
-        y = self.post_attention_layernorm(h)
+        if self.recompute_attention and torch.is_grad_enabled():
+            h, y = checkpoint(self.attention_block, x, ctx, use_reentrant=False)
+        else:
+            h, y = self.attention_block(x, ctx)
         if not self.is_moe:
             return LayerState(h, self.mlp(y))
         shared = self.mlp.shared_experts(y) if self.mlp.shared_experts is not None else None
@@ -70,7 +82,9 @@ class DecoderLayer(nn.Module):
         return s
 
     def stage_experts(self, s: LayerState) -> LayerState:
-        if self.is_moe:
+        if self.is_moe and self.recompute_experts and torch.is_grad_enabled():
+            s.rows = checkpoint(self.mlp.compute, s.rows, s.plan, use_reentrant=False)
+        elif self.is_moe:
             s.rows = self.mlp.compute(s.rows, s.plan)
         return s
 
@@ -120,11 +134,38 @@ class CausalLM(nn.Module):
         super().__init__()
         self.vocab, self.init_std = vocab, init_std
         self.cp = None  # a parallel.context.ContextGroup: this rank holds two blocks of each sequence
+        self.flex = True  # FlexAttention for masked attention on CUDA (False: SDPA with dense masks)
         self.model = Backbone(vocab, hidden, layers, eps)
         self.rotary_emb = rope
         self.lm_head = LMHead(hidden, vocab, bias=False)
         if tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def compile_dense(self) -> None:
+        """torch.compile(fullgraph=True) the dense parts of every layer: the attention block (norm,
+        projections, q/k norms, RoPE, SDPA / FlexAttention, residual, post-norm; eager under context
+        parallelism, whose ring exchanges blocks between ranks), the router, the dense MLP or shared
+        experts, and the final norm. The grouped experts, the permutation and the cross-entropy stay
+        eager: they are grouped GEMMs and Triton kernels already. Layers share compiled code
+        (parameters are graph inputs); shapes are static, so a run compiles in its first steps and
+        then never again (tests/test_compile.py counts)."""
+        opts = dict(fullgraph=True, dynamic=False)
+        self.model.norm.compile(**opts)
+        for layer in self.model.layers.values():
+            if self.cp is None:
+                layer.attention_block = torch.compile(layer.attention_block, **opts)
+            if layer.is_moe:
+                layer.mlp.topk_router.compile(**opts)
+                if layer.mlp.shared_experts is not None:
+                    layer.mlp.shared_experts.compile(**opts)
+            else:
+                layer.mlp.compile(**opts)
+
+    def set_recompute(self, attention: bool, experts: bool) -> None:
+        """Activation recompute: the attention block and / or the expert computation keep only their
+        inputs in forward and run again in backward (less memory, one more forward of the part)."""
+        for layer in self.model.layers.values():
+            layer.recompute_attention, layer.recompute_experts = attention, experts and layer.is_moe
 
     def moe_blocks(self) -> list[MoEBlock]:
         return [m for m in self.modules() if isinstance(m, MoEBlock)]
@@ -141,23 +182,51 @@ class CausalLM(nn.Module):
         return total, active
 
     def context(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, aux_weight: float,
-                dtype: torch.dtype) -> ForwardContext:
+                dtype: torch.dtype, doc_ids: torch.Tensor | None = None) -> ForwardContext:
+        B, S = input_ids.shape
+        if doc_ids is not None and self.cp is not None:
+            raise ValueError("document masking is not supported under context parallelism")
         if position_ids is None:
             if self.cp is not None:
                 raise ValueError("under context parallelism the model needs the position_ids of its blocks")
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+            position_ids = torch.arange(S, device=input_ids.device).expand_as(input_ids)
+            if doc_ids is not None:
+                position_ids = document_positions(doc_ids)
         cos, sin = self.rotary_emb(position_ids, dtype)
-        return ForwardContext(cos, sin, aux_weight, self.cp)
+        masks = None
+        attns = [layer.self_attn for layer in self.model.layers.values()]
+        windows = {getattr(a, "window", None) for a in attns}
+        masked = doc_ids is not None or windows != {None} or any(getattr(a, "sinks", None) is not None for a in attns)
+        if input_ids.is_cuda and self.flex and self.cp is None and masked:
+            masks = block_masks(windows, B, S, doc_ids, input_ids.device)
+        return ForwardContext(cos, sin, aux_weight, self.cp, doc_ids, masks)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, aux_weight: float = 0.0) -> torch.Tensor:
-        """Logits [B, S, V], or with `labels` the summed cross-entropy over labels != -100."""
+                position_ids: torch.Tensor | None = None, aux_weight: float = 0.0,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, S, V], or with `labels` the summed cross-entropy over labels != -100.
+        `doc_ids` [B, S] (non-decreasing along each sequence) turns on document masking: a token
+        attends only within its document, and positions restart at each document's first token."""
         h = self.model.embed_tokens(input_ids)
         dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
-        ctx = self.context(input_ids, position_ids, aux_weight, dtype)
+        ctx = self.context(input_ids, position_ids, aux_weight, dtype, doc_ids)
         for layer in self.model.layers.values():
             h = layer(h, ctx)
         return self.lm_head(self.model.norm(h), labels)
+
+
+def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    """Parameters (not buffers: RoPE frequencies and expert counts stay fp32) to `dtype`."""
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+
+
+def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """[B, S] document index -> position of each token inside its document (0 at each start)."""
+    idx = torch.arange(doc_ids.shape[1], device=doc_ids.device).expand_as(doc_ids)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return idx - torch.cummax(torch.where(starts, idx, 0), dim=1).values
 
 
 def _seed(seed: int, name: str, expert: int | None = None) -> int:

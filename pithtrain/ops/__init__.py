@@ -11,6 +11,9 @@ except ImportError:  # CPU-only installs: the torch twins run
     triton = None
 
 
+KERNELS = os.environ.get("PITHTRAIN_KERNELS", "1") != "0"  # 0: the torch twins everywhere (for comparisons)
+
+
 def use_triton(x: torch.Tensor) -> bool:
     """Whether the Triton kernels run for `x` (2-D tensors on CUDA, or anywhere when interpreting)."""
-    return triton is not None and x.dim() == 2 and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    return KERNELS and triton is not None and x.dim() == 2 and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")

@@ -640,6 +640,19 @@ def batch_tensors(dataset: PackedDataset, indices: list[int]) -> tuple[torch.Ten
     return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
 
+def document_ids(dataset: PackedDataset, indices: list[int]) -> torch.Tensor:
+    """[B, seq_len] int64: which document of its window each input token belongs to (0, 1, ...; a new
+    document starts at the token after an end-of-document token), for document masking."""
+    import torch
+
+    out = np.zeros((len(indices), dataset.seq_len), np.int64)
+    positions = np.arange(dataset.seq_len)
+    for row, i in enumerate(indices):
+        starts = dataset.doc_starts(i)
+        out[row] = np.searchsorted(starts[starts > 0], positions, side="right")
+    return torch.from_numpy(out)
+
+
 def validation_batches(dataset: PackedDataset, batch_size: int, n_batches: int) -> list[list[int]]:
     """Fixed, unshuffled validation batches: the first n_batches*batch_size windows (fewer if the split is small)."""
     n = len(dataset)

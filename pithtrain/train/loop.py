@@ -23,13 +23,13 @@ import torch.distributed as dist
 
 from pithtrain.config import ConfigError, RunConfig
 from pithtrain.layers.moe import BalanceOptions
-from pithtrain.layers.transformer import CausalLM, init_weights
+from pithtrain.layers.transformer import CausalLM, cast_parameters, init_weights
 from pithtrain.models import build_model
 from pithtrain.parallel.context import block_positions, shard_sequence
 from pithtrain.parallel.fsdp import build_parallel
 from pithtrain.parallel.mesh import Mesh, init_distributed, plan_layout, world_size
 from pithtrain.train import checkpoint
-from pithtrain.train.data import GlobalBatchSampler, PackedDataset, batch_tensors, validation_batches
+from pithtrain.train.data import GlobalBatchSampler, PackedDataset, batch_tensors, document_ids, validation_batches
 from pithtrain.train.log import QuietLog, RunLog, peak_memory_gb, plot_losses
 from pithtrain.train.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 
@@ -59,29 +59,43 @@ def balance_options(cfg: RunConfig) -> BalanceOptions:
 
 def build_for_training(cfg: RunConfig, device: torch.device, mesh: Mesh | None = None,
                        amp: torch.dtype | None = None) -> CausalLM:
+    """The model, initialised, with train.param_dtype, train.recompute and train.compile applied."""
+    t = cfg.train
+
     def build():
-        return build_model(cfg.model.hf, balance_options(cfg))
+        model = build_model(cfg.model.hf, balance_options(cfg))
+        if t.param_dtype == "bf16":
+            cast_parameters(model, torch.bfloat16)
+        return model
 
     if mesh is not None:  # sharded: bf16 parameters under FSDP on the GPU, fp32 on the CPU
-        return build_parallel(build, mesh, cfg.train.seed, amp if device.type == "cuda" else None)
-    with torch.device(device):
-        model = build()
-    init_weights(model, cfg.train.seed)
+        model = build_parallel(build, mesh, t.seed, amp if device.type == "cuda" else None)
+    else:
+        with torch.device(device):
+            model = build()
+        init_weights(model, t.seed)
+    model.set_recompute(t.recompute in ("attention", "both"), t.recompute in ("experts", "both"))
+    if t.compile == "on" or (t.compile == "auto" and device.type == "cuda"):
+        model.compile_dense()
     return model
 
 
-def rank_batches(ds: PackedDataset, idx: list[int], micro: int, mesh: Mesh | None) -> list[tuple]:
-    """This rank's micro-batches (input_ids, labels, position_ids or None) of the global batch `idx`."""
+def rank_batches(ds: PackedDataset, idx: list[int], micro: int, mesh: Mesh | None,
+                 documents: bool = False) -> list[tuple]:
+    """This rank's micro-batches (input_ids, labels, position_ids or None, doc_ids or None) of the
+    global batch `idx`; doc_ids with `documents` (data.document_mask)."""
     D, d = (mesh.layout.data_ranks, mesh.data_rank) if mesh is not None else (1, 0)
     out = []
     for start in range(0, len(idx), micro * D):
-        ids, labels = batch_tensors(ds, idx[start + d * micro:start + (d + 1) * micro])
+        mine = idx[start + d * micro:start + (d + 1) * micro]
+        ids, labels = batch_tensors(ds, mine)
+        docs = document_ids(ds, mine) if documents else None
         pos = None
         if mesh is not None and mesh.layout.cp > 1:
             cp, r = mesh.layout.cp, mesh.coord("cp")
             pos = block_positions(ids.shape[1], cp, r).expand(ids.shape[0], -1)
             ids, labels = shard_sequence(ids, cp, r), shard_sequence(labels, cp, r)
-        out.append((ids, labels, pos))
+        out.append((ids, labels, pos, docs))
     return out
 
 
@@ -111,10 +125,11 @@ def evaluate(model: CausalLM, micro_batches: list[list[tuple]], device, amp, mes
     model.eval()
     total = torch.zeros(2, device=device, dtype=torch.float64)  # summed loss, tokens
     for batch in micro_batches:
-        for ids, labels, pos in batch:
+        for ids, labels, pos, docs in batch:
             ids, labels = ids.to(device), labels.to(device)
+            pos, docs = (None if t is None else t.to(device) for t in (pos, docs))
             with autocast(device, amp):
-                total[0] += model(ids, labels=labels, position_ids=None if pos is None else pos.to(device)).double()
+                total[0] += model(ids, labels=labels, position_ids=pos, doc_ids=docs).double()
             total[1] += (labels != -100).sum()
     model.train()
     total = _sum(total, mesh)
@@ -123,7 +138,8 @@ def evaluate(model: CausalLM, micro_batches: list[list[tuple]], device, amp, mes
 
 def train_step(model: CausalLM, optimizer, micro_batches: list, grad_clip: float, device, amp,
                mesh: Mesh | None = None) -> dict:
-    """Forward/backward over this rank's micro-batches (input_ids, labels[, position_ids]), clip, step.
+    """Forward/backward over this rank's micro-batches (input_ids, labels[, position_ids[, doc_ids]]),
+    clip, step.
     Returns device tensors; distributed, one host synchronisation (the global token count)."""
     counts = [int((mb[1] != -100).sum()) for mb in micro_batches]  # on the host, before upload
     n_tokens = sum(counts)
@@ -132,10 +148,11 @@ def train_step(model: CausalLM, optimizer, micro_batches: list, grad_clip: float
     loss_sum = torch.zeros((), device=device)
     for mb, count in zip(micro_batches, counts):
         ids, labels = mb[0].to(device, non_blocking=True), mb[1].to(device, non_blocking=True)
-        pos = mb[2].to(device, non_blocking=True) if len(mb) > 2 and mb[2] is not None else None
+        pos, docs = (mb[i].to(device, non_blocking=True) if len(mb) > i and mb[i] is not None else None
+                     for i in (2, 3))
         share = count / n_tokens
         with autocast(device, amp):
-            loss = model(ids, labels=labels, position_ids=pos, aux_weight=share)
+            loss = model(ids, labels=labels, position_ids=pos, aux_weight=share, doc_ids=docs)
         (loss / n_tokens).backward()
         loss_sum += loss.detach()
     params = [p for p in model.parameters() if p.grad is not None]
@@ -186,7 +203,7 @@ def train(cfg: RunConfig) -> dict:
     mesh = init_distributed(layout, device.type) if launched else None
     device = mesh.device if mesh is not None else device
     rank0 = mesh is None or mesh.rank == 0
-    val_batches = [rank_batches(val_ds, idx, d.micro_batch_size, mesh) for idx in val_idx]
+    val_batches = [rank_batches(val_ds, idx, d.micro_batch_size, mesh, d.document_mask) for idx in val_idx]
     model = build_for_training(cfg, device, mesh, amp)
     optimizer = build_optimizer(model, cfg.optim)
 
@@ -222,7 +239,7 @@ def train(cfg: RunConfig) -> dict:
     for step in range(start, end):
         lr = lr_at(step, cfg.train.steps, cfg.optim)
         set_lr(optimizer, lr)
-        micro = rank_batches(train_ds, sampler.next_batch(), d.micro_batch_size, mesh)
+        micro = rank_batches(train_ds, sampler.next_batch(), d.micro_batch_size, mesh, d.document_mask)
         last = train_step(model, optimizer, micro, cfg.optim.grad_clip, device, amp, mesh)
         tokens_since += last["tokens"]
         done = step + 1

@@ -1,0 +1,142 @@
+"""Kernel micro-benchmarks on one GPU, each against the ceiling measured in the same run.
+
+    PYTHONPATH=. python benchmarks/kernels.py [--tokens 8192] [--json OUT.json]
+
+Shapes are a Qwen3-30B-A3B micro-batch (8192 tokens, hidden 2048, 128 experts top-8, expert width
+768) unless stated. Memory-bound kernels (SwiGLU, permute / combine) report GB/s (bytes each must
+read and write once) against a device copy (`clone` of 1 GiB, read + write); grouped GEMM reports
+TFLOP/s against a bf16 8192^3 matmul; attention reports fwd+bwd TFLOP/s per backend (causal
+FLOPs: 4 * B * H * S^2 / 2 * D forward, 2.5x that for forward + backward).
+"""
+
+import argparse
+import json
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+
+def timed(fn, warmup: int = 3, reps: int = 10) -> float:
+    """Median seconds of `fn` over `reps` runs (CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1000)
+    return statistics.median(times)
+
+
+def ceilings() -> dict:
+    x = torch.empty(2**29, dtype=torch.bfloat16, device="cuda")
+    copy = 2 * x.nbytes / timed(lambda: x.clone()) / 1e9
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    mm = 2 * 8192**3 / timed(lambda: a @ b) / 1e12
+    return {"copy_GBps": copy, "matmul_TFLOPs": mm}
+
+
+def gbps(nbytes: int, fn) -> float:
+    return nbytes / timed(fn) / 1e9
+
+
+def swiglu_bench(rows: int, width: int) -> dict:
+    from pithtrain.ops.swiglu import clamped_swiglu, clamped_swiglu_reference, swiglu, swiglu_reference
+
+    x = torch.randn(rows, 2 * width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dout = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
+    fwd_bytes = x.nbytes + dout.nbytes  # read the projection, write the output
+    bwd_bytes = 2 * x.nbytes + dout.nbytes  # read the projection and dout, write dx
+    out = {}
+    for name, fn in [("swiglu", swiglu), ("swiglu_eager", swiglu_reference),
+                     ("clamped", lambda t: clamped_swiglu(t, 1.702, 7.0)),
+                     ("clamped_eager", lambda t: clamped_swiglu_reference(t, 1.702, 7.0))]:
+        y = fn(x)
+        out[name + "_fwd_GBps"] = gbps(fwd_bytes, lambda: fn(x.detach()))
+        out[name + "_bwd_GBps"] = gbps(bwd_bytes, lambda: torch.autograd.grad(y, x, dout, retain_graph=True))
+    return out
+
+
+def permute_bench(tokens: int, hidden: int, experts: int, k: int) -> dict:
+    from pithtrain.ops.permute import combine, gather_rows_reference, permute, sort_by_expert, sum_slots_reference
+
+    ids = torch.rand(tokens, experts, device="cuda").topk(k, dim=-1).indices
+    order, inverse, _ = sort_by_expert(ids, experts)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    rows = torch.randn(tokens * k, hidden, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(tokens, k, device="cuda")
+    moved = rows.nbytes + x.nbytes  # each row read or written once, each token once
+    return {
+        "permute_GBps": gbps(moved, lambda: permute(x, order, inverse, k)),
+        "permute_eager_GBps": gbps(moved, lambda: gather_rows_reference(x, order, k)),
+        "combine_GBps": gbps(moved, lambda: combine(rows, order, inverse, k, w)),
+        "combine_eager_GBps": gbps(moved, lambda: sum_slots_reference(rows, inverse, k, w)),
+    }
+
+
+def grouped_mm_bench(tokens: int, hidden: int, experts: int, k: int, width: int) -> dict:
+    counts = torch.full((experts,), tokens * k // experts)
+    offs = torch.cumsum(counts, 0).to(torch.int32).cuda()
+    rows = int(counts.sum())
+    out = {}
+    for name, (kin, kout) in {"gate_up": (hidden, 2 * width), "down": (width, hidden)}.items():
+        x = torch.randn(rows, kin, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(experts, kout, kin, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        flops = 2 * rows * kin * kout
+        y = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+        dy = torch.randn_like(y)
+        out[name + "_fwd_TFLOPs"] = flops / timed(lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offs)) / 1e12
+        out[name + "_bwd_TFLOPs"] = 2 * flops / timed(lambda: torch.autograd.grad(y, (x, w), dy, retain_graph=True)) / 1e12
+    return out
+
+
+def attention_bench(batch: int, seq: int, heads: int, kv_heads: int, dim: int) -> dict:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(batch, heads, seq, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(batch, kv_heads, seq, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    flops = 2.5 * 4 * batch * heads * seq * seq / 2 * dim
+    out = {}
+    for name, backend in [("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
+                          ("efficient", SDPBackend.EFFICIENT_ATTENTION)]:
+        def step():
+            with sdpa_kernel([backend]):
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            o.backward(torch.ones_like(o))
+        try:
+            out[name + "_TFLOPs"] = flops / timed(step) / 1e12
+        except RuntimeError as e:  # a backend that does not take these inputs
+            out[name + "_TFLOPs"] = f"unavailable: {str(e).splitlines()[0][:120]}"
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--json", default="")
+    args = p.parse_args()
+    res = {"device": torch.cuda.get_device_name(), "ceilings": ceilings()}
+    res["swiglu"] = swiglu_bench(args.tokens * 8, 768)
+    res["permute"] = permute_bench(args.tokens, 2048, 128, 8)
+    res["grouped_mm"] = grouped_mm_bench(args.tokens, 2048, 128, 8, 768)
+    res["attention_qwen3"] = attention_bench(2, 4096, 32, 4, 128)
+    c = res["ceilings"]
+    for group in ("swiglu", "permute"):
+        for key, val in list(res[group].items()):
+            res[group][key.replace("GBps", "of_copy")] = val / c["copy_GBps"]
+    for key, val in list(res["grouped_mm"].items()):
+        res["grouped_mm"][key.replace("TFLOPs", "of_matmul")] = val / c["matmul_TFLOPs"]
+    text = json.dumps(res, indent=1)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
