@@ -6,6 +6,7 @@ import sys
 import torch
 
 from pithtrain.ops import cross_entropy as ce
+from pithtrain.ops import expert_bias as eb
 from pithtrain.ops import permute as pm
 from pithtrain.ops import swiglu as sw
 
@@ -88,7 +89,35 @@ def check_cross_entropy_rows(device: str) -> None:
                 assert loss[n // 2] == 0 and g[n // 2].abs().sum() == 0
 
 
+def check_expert_bias(device: str) -> None:
+    """add_expert_bias (Triton add, segmented-sum backward) against the twins: experts with no rows,
+    one row, and more rows than a block, widths that are not a multiple of the block."""
+    gen = torch.Generator(device).manual_seed(3)
+    cases = [([3, 0, 70, 1, 0], 40), ([0, 0], 8), ([5], 3)] + ([([100, 0, 3000, 7], 5760)] if device == "cuda" else [])
+    for counts, W in cases:
+        offsets = torch.cumsum(torch.tensor(counts), 0).to(torch.int32).to(device)
+        N = sum(counts)
+        for dtype in ([torch.float32, torch.bfloat16] if device == "cuda" else [torch.float32]):
+            tol = 1e-5 if dtype == torch.float32 else 1e-2
+            rows = torch.randn(N, W, device=device, generator=gen).to(dtype).requires_grad_()
+            bias = torch.randn(len(counts), W, device=device, generator=gen).requires_grad_()
+            expert = eb.row_experts(offsets, N)
+            out = eb.add_expert_bias(rows, bias, offsets)
+            want = eb.add_bias_reference(rows.detach().float(), bias.detach(), expert)
+            dout = torch.randn(N, W, device=device, generator=gen).to(dtype)
+            drows, dbias = torch.autograd.grad(out, [rows, bias], dout)
+            want_dbias = eb.segment_sum_reference(dout, offsets, len(counts), expert)
+            assert torch.equal(drows, dout)
+            for got, ref in [(out, want), (dbias, want_dbias)]:
+                err = ((got.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30)).item()
+                assert err < tol or ref.numel() == 0, (counts, W, dtype, err)
+            for e, c in enumerate(counts):
+                if c == 0:
+                    assert dbias[e].abs().sum() == 0
+
+
 def run_all(device: str) -> None:
+    check_expert_bias(device)
     check_swiglu(device)
     check_permute(device)
     check_cross_entropy_rows(device)

@@ -52,29 +52,39 @@ _causal_masks: dict = {}
 
 def block_masks(windows: set, batch: int, S: int, docs: torch.Tensor | None, device) -> dict:
     """FlexAttention block masks, one per window size in `windows` (None: full causal), for
-    sequences of S tokens (per sequence when `docs` is given). Made once per micro-batch outside
-    any compiled region; those without documents are cached."""
+    `batch` sequences of S tokens, with documents if `docs` [B, S] is given. Made once per
+    micro-batch outside any compiled region; those without documents are cached.
+
+    Every mask uses one mask function whose window and documents are tensors it captures: the
+    compiled attention treats captured tensors as inputs but takes a mask function's Python
+    values as constants of the first graph it compiled, so two windows written as Python ints
+    would share the first one's mask (measured: a 64-token window computed as 128)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     out = {}
     for window in windows:
-        key = (S, window, str(device))
+        key = (batch, S, window, str(device))
         if docs is None and key in _causal_masks:
             out[window] = _causal_masks[key]
             continue
+        span = torch.tensor(S + 1 if window is None else window, device=device)
+        doc = docs if docs is not None else torch.zeros(batch, S, dtype=torch.long, device=device)
 
-        def allowed(b, h, qi, ki, window=window):
-            ok = ki <= qi
-            if window is not None:
-                ok = ok & (ki > qi - window)
-            if docs is not None:
-                ok = ok & (docs[b, qi] == docs[b, ki])
-            return ok
+        def allowed(b, h, qi, ki, span=span, doc=doc):
+            return (ki <= qi) & (ki > qi - span) & (doc[b, qi] == doc[b, ki])
 
-        out[window] = create_block_mask(allowed, batch if docs is not None else None, None, S, S, device=device)
+        out[window] = create_block_mask(allowed, batch, None, S, S, device=device)
         if docs is None:
             _causal_masks[key] = out[window]
     return out
+
+
+def _flex_fits(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Head sizes FlexAttention's kernels compile for on the H200: at least 16; in fp32 at most 64
+    (fp32 with MLA's 192 ran out of shared memory, 279,808 of 232,448 bytes). Others take SDPA
+    with dense masks."""
+    D, Dv = q.shape[-1], v.shape[-1]
+    return min(D, Dv) >= 16 and (q.dtype != torch.float32 or max(D, Dv) <= 64)
 
 
 def _flex_attention(q, k, v, scale: float, mask, sinks: torch.Tensor | None):
@@ -85,7 +95,7 @@ def _flex_attention(q, k, v, scale: float, mask, sinks: torch.Tensor | None):
         _flex = torch.compile(flex_attention, fullgraph=True, dynamic=False)
     out, lse = _flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1], return_lse=True)
     if sinks is not None:
-        out = out * torch.sigmoid(lse - sinks.float()[None, :, None]).unsqueeze(-1).to(out.dtype)
+        out = (out.float() * torch.sigmoid(lse.float() - sinks.float()[None, :, None]).unsqueeze(-1)).to(out.dtype)
     return out
 
 
@@ -107,7 +117,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | 
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=Hk != Hq)
         return out.transpose(1, 2).reshape(B, S, -1)
     masks = getattr(ctx, "masks", None)
-    if masks is not None and min(D, v.shape[-1]) >= 16:  # FlexAttention (CUDA; its kernels need heads >= 16)
+    if masks is not None and _flex_fits(q, v):  # FlexAttention (CUDA)
         return _flex_attention(q, k, v, scale, masks[window], sinks).transpose(1, 2).reshape(B, S, -1)
     if Hk != Hq:  # explicit masks: expand the kv heads rather than rely on GQA support per backend
         k, v = k.repeat_interleave(Hq // Hk, dim=1), v.repeat_interleave(Hq // Hk, dim=1)

@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from pithtrain.ops.expert_bias import add_expert_bias
 from pithtrain.ops.grouped_mm import grouped_mm
 from pithtrain.ops.swiglu import swiglu
 from pithtrain.ops.permute import combine, count, permute, sort_by_expert
@@ -213,12 +214,10 @@ class GroupedExperts(nn.Module):
     def forward(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         h = grouped_mm(rows, self._weight(self.gate_up_proj), offsets)
         if self.gate_up_proj_bias is not None:
-            expert = torch.searchsorted(offsets, torch.arange(rows.shape[0], device=rows.device, dtype=offsets.dtype),
-                                        right=True)
-            h = h + self.gate_up_proj_bias[expert].to(h.dtype)
+            h = add_expert_bias(h, self.gate_up_proj_bias, offsets)
         out = grouped_mm(self.activation(h), self._weight(self.down_proj), offsets)
         if self.down_proj_bias is not None:
-            out = out + self.down_proj_bias[expert].to(out.dtype)
+            out = add_expert_bias(out, self.down_proj_bias, offsets)
         return out
 
 
