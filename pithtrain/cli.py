@@ -28,6 +28,11 @@ def print_summary(s: dict) -> None:
         val = "n/a" if s.get("val_loss") is None else f"{s['val_loss']:.4f}"
         print(f"final train loss: {s['train_loss']:.4f}   validation loss: {val}")
         print(f"throughput: {s['tokens_per_s']:,.0f} tokens/s")
+    if s.get("skipped_steps"):
+        print(f"skipped steps: {s['skipped_steps']}")
+    if s.get("preempted_at"):
+        print(f"stopped by SIGTERM after step {s['preempted_at']} (checkpoint saved; resume with "
+              "checkpoint.resume=auto)")
     if s.get("plot"):
         print(f"loss curve: {s['plot']}")
 
@@ -156,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from pithtrain.train.checkpoint import CheckpointError
     from pithtrain.train.data import CorpusError
+    from pithtrain.train.guard import TrainingHalted
 
     try:
         return args.func(args)
@@ -165,5 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     except (CorpusError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except TrainingHalted as e:
+        rank = os.environ.get("RANK", "0")
+        print(f"training halted (rank {rank}): {e}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         return 130

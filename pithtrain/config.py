@@ -33,6 +33,12 @@ class TrainConfig:
     param_dtype: Literal["fp32", "bf16"] = "fp32"
     compile: Literal["auto", "on", "off"] = "auto"  # torch.compile of the dense parts; auto: on with CUDA
     recompute: Literal["none", "attention", "experts", "both"] = "none"  # activation recompute in backward
+    # A non-finite loss or gradient: halt (stop, naming the step, the ranks and the first module whose
+    # output went non-finite) or skip the step (stop after max_skips skipped steps in a row).
+    nonfinite: Literal["halt", "skip"] = "halt"
+    max_skips: int = 3
+    spike_factor: float = 0.0  # > 1: skip a step whose loss exceeds this x the mean of the last spike_window
+    spike_window: int = 20
     threads: int = 0  # torch intra-op threads on CPU; 0 leaves torch's default
 
 
@@ -77,6 +83,7 @@ class ParallelConfig:
     cp: int = 1  # context parallel: ranks that split each sequence (ring attention)
     ep: int = 1  # expert parallel: ranks that split the routed experts
     dp_replicate: int = 1  # HSDP: replicas of the FSDP-sharded model (e.g. one per node); 1: plain FSDP
+    timeout_s: float = 600.0  # a collective that waits longer (a rank hung or died) fails the run
 
 
 @dataclass
@@ -272,7 +279,8 @@ def validate(cfg: RunConfig) -> None:
     for key, value in [("data.val_every", d.val_every), ("checkpoint.every", cfg.checkpoint.every),
                        ("optim.warmup_steps", o.warmup_steps), ("optim.grad_clip", o.grad_clip),
                        ("optim.weight_decay", o.weight_decay), ("moe.aux_loss_coef", cfg.moe.aux_loss_coef),
-                       ("moe.z_loss_coef", cfg.moe.z_loss_coef), ("train.threads", t.threads)]:
+                       ("moe.z_loss_coef", cfg.moe.z_loss_coef), ("train.threads", t.threads),
+                       ("train.max_skips", t.max_skips)]:
         if value < 0:
             raise ConfigError(f"{key} = {value} must not be negative")
     if d.global_batch_size % d.micro_batch_size:
@@ -309,6 +317,11 @@ def validate(cfg: RunConfig) -> None:
             f"model.num_experts_per_tok = {hf['num_experts_per_tok']} exceeds model.num_experts = "
             f"{hf['num_experts']}"
         )
+    if cfg.parallel.timeout_s <= 0:
+        raise ConfigError(f"parallel.timeout_s = {cfg.parallel.timeout_s} must be positive (seconds)")
+    if t.spike_factor and (t.spike_factor <= 1 or t.spike_window < 1):
+        raise ConfigError(f"train.spike_factor = {t.spike_factor} must be above 1 (or 0: off) and train.spike_window "
+                          f"= {t.spike_window} at least 1")
     if t.param_dtype == "bf16" and t.dtype == "fp32":
         raise ConfigError("train.param_dtype = 'bf16' needs bf16 compute: set train.dtype to 'bf16' or 'auto'")
     if d.document_mask and cfg.parallel.cp > 1:

@@ -323,11 +323,12 @@ class MoEBlock(nn.Module):
         return combine(rows, plan.order, plan.inverse, self.top_k, plan.weights).view(plan.shape)
 
     @torch.no_grad()
-    def end_step(self) -> dict:
-        """Read and reset the step statistics; apply the aux-free bias update."""
+    def end_step(self, applied: bool = True) -> dict:
+        """Read and reset the step statistics; apply the aux-free bias update (not for a step
+        the guards skipped, `applied=False`)."""
         load = self.load.clone()
         stats = {"load": load, "aux": self.aux_total.clone()}
-        if self.balance.aux_free:
+        if self.balance.aux_free and applied:
             aux_free_update(self.topk_router.e_score_correction_bias, load, self.balance.aux_free_rate)
         self.load.zero_()
         self.aux_total.zero_()

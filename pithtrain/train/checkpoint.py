@@ -4,10 +4,13 @@ Layout of `<dir>/step-NNNNNNNN/`:
   *.distcp, .metadata     model and optimizer state (DCP; loads into any sharding)
   rng-rank{R}.pt          each rank's RNG states
   trainer.json            step, data position, LR schedule state, anything else of the loop
-  complete.json           written last: the file list with sizes; its presence marks completion
+  complete.json           written last: each file's size and CRC-32; its presence marks completion
 A save goes to `.tmp-step-NNNNNNNN/` and is renamed when complete, so a save killed at any point
 leaves the earlier checkpoints untouched and the partial one ignored (and removed at the next
-start). Only the newest `keep` complete checkpoints are kept.
+start). Only the newest `keep` complete checkpoints are kept. Listing checks sizes; loading
+checks every CRC (rank 0 reads the files, the verdict goes to all ranks), so a truncated or
+corrupted checkpoint is refused with its path and file named, and `resume=auto` passes over it
+to the newest valid one (`newest_valid`).
 
 Resharding: every tensor is stored whole (DCP records each rank's piece of it), so a checkpoint
 loads into any layout. FSDP-sharded parameters are DTensors already; under expert parallelism a
@@ -24,6 +27,8 @@ import random
 import re
 import shutil
 import warnings
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -160,9 +165,25 @@ def save(root: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Op
     return final
 
 
+def _crc32(path: str) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def _checksums(folder: str, names: list[str]) -> dict[str, str]:
+    """CRC-32 of each file, several at a time (zlib releases the GIL): ~1 GB/s per thread."""
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        return dict(zip(names, pool.map(lambda n: _crc32(os.path.join(folder, n)), names)))
+
+
 def finalize_dir(tmp: str, final: str, info: dict) -> None:
-    """Mark the finished directory `tmp` complete (file list with sizes) and move it to `final`."""
-    files = {name: os.path.getsize(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
+    """Mark the finished directory `tmp` complete (each file's size and CRC-32) and move it to `final`."""
+    names = sorted(os.listdir(tmp))
+    crcs = _checksums(tmp, names)
+    files = {n: {"bytes": os.path.getsize(os.path.join(tmp, n)), "crc32": crcs[n]} for n in names}
     _write_json(os.path.join(tmp, MARKER), {**info, "files": files})
     _fsync_dir(tmp)
     if os.path.exists(final):  # the same step saved again (e.g. a rerun): replace it whole
@@ -175,8 +196,9 @@ def finalize_dir(tmp: str, final: str, info: dict) -> None:
     _fsync_dir(os.path.dirname(os.path.abspath(final)))
 
 
-def verify(path: str) -> dict:
-    """Check a checkpoint directory against its completion marker; return the marker."""
+def verify(path: str, checksums: bool = False) -> dict:
+    """Check a checkpoint directory against its completion marker (every file present with its
+    size; with `checksums` also its CRC-32, which reads every byte); return the marker."""
     marker = os.path.join(path, MARKER)
     if not os.path.isfile(marker):
         raise CheckpointError(f"checkpoint {path} is incomplete: {MARKER} is missing")
@@ -186,13 +208,50 @@ def verify(path: str) -> dict:
         files = info["files"]
     except (json.JSONDecodeError, KeyError) as e:
         raise CheckpointError(f"checkpoint {path}: {MARKER} is corrupt ({e})") from None
-    for name, size in files.items():
+    for name, entry in files.items():
+        size = entry["bytes"] if isinstance(entry, dict) else entry  # older markers: sizes only
         p = os.path.join(path, name)
         if not os.path.isfile(p):
             raise CheckpointError(f"checkpoint {path} is missing {name}")
         if os.path.getsize(p) != size:
             raise CheckpointError(f"checkpoint {path}: {name} has {os.path.getsize(p)} bytes, expected {size}")
+    if checksums:
+        want = {n: e["crc32"] for n, e in files.items() if isinstance(e, dict) and "crc32" in e}
+        for name, crc in _checksums(path, sorted(want)).items():
+            if crc != want[name]:
+                raise CheckpointError(f"checkpoint {path}: {name} is corrupt (CRC-32 {crc}, expected {want[name]}); "
+                                      "resume from another checkpoint")
     return info
+
+
+def verify_everywhere(path: str) -> None:
+    """Full verification (checksums) by rank 0 alone, its verdict shared with every rank, so all
+    raise the same CheckpointError or none does."""
+    if not dist.is_initialized():
+        verify(path, checksums=True)
+        return
+    verdict = [None]
+    if _rank() == 0:
+        try:
+            verify(path, checksums=True)
+        except CheckpointError as e:
+            verdict[0] = str(e)
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise CheckpointError(verdict[0])
+
+
+def newest_valid(root: str) -> tuple[str | None, list[str]]:
+    """The newest checkpoint under `root` that passes full verification, and why each newer one
+    was refused (a torn, truncated or corrupted checkpoint is passed over, never loaded)."""
+    refused = []
+    for _, path in reversed(complete_checkpoints(root)):
+        try:
+            verify_everywhere(path)
+            return path, refused
+        except CheckpointError as e:
+            refused.append(str(e))
+    return None, refused
 
 
 def complete_checkpoints(root: str) -> list[tuple[int, str]]:
@@ -262,7 +321,7 @@ def check_tensors(path: str, have: dict[str, tuple], want: dict[str, tuple]) -> 
 
 def load_weights(path: str, model: torch.nn.Module) -> None:
     """Load only the model weights of `path`: a converted Hugging Face checkpoint or a training one."""
-    verify(path)
+    verify_everywhere(path)
     state = get_model_state_dict(model)
     stored = stored_tensors(path)
     if "lm_head.weight" not in stored and model.lm_head.weight is model.model.embed_tokens.weight:
@@ -277,7 +336,7 @@ def load_weights(path: str, model: torch.nn.Module) -> None:
 
 def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
     """Load model (and optimizer) state from checkpoint `path`; return its trainer state."""
-    verify(path)
+    verify_everywhere(path)
     stored = {n: s for n, (s, _) in stored_tensors(path).items()}
     if optimizer is None:
         state = {"model": get_model_state_dict(model)}

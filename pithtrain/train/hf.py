@@ -299,7 +299,7 @@ def dcp_to_hf(ckpt: str, out: str, hf_config: dict | None = None, tokenizer: str
     """
     from safetensors.torch import save_file
 
-    verify(ckpt)
+    verify(ckpt, checksums=True)
     if hf_config is None:
         hf_config = read_hf_config(ckpt)
     have = check_against_config(ckpt, hf_config)

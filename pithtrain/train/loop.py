@@ -29,6 +29,8 @@ from pithtrain.parallel.context import block_positions, shard_sequence
 from pithtrain.parallel.fsdp import build_parallel
 from pithtrain.parallel.mesh import Mesh, init_distributed, plan_layout, world_size
 from pithtrain.train import checkpoint
+from pithtrain.train.guard import (Preemption, StepGuard, TrainingHalted, first_nonfinite_module, inject_failure,
+                                   injected)
 from pithtrain.train.data import GlobalBatchSampler, PackedDataset, batch_tensors, document_ids, validation_batches
 from pithtrain.train.log import QuietLog, RunLog, peak_memory_gb, plot_losses
 from pithtrain.train.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
@@ -136,34 +138,60 @@ def evaluate(model: CausalLM, micro_batches: list[list[tuple]], device, amp, mes
     return (total[0] / total[1]).item()
 
 
+def _device_batch(mb: tuple, device) -> tuple:
+    return tuple(t.to(device, non_blocking=True) if t is not None else None for t in (list(mb) + [None, None])[:4])
+
+
 def train_step(model: CausalLM, optimizer, micro_batches: list, grad_clip: float, device, amp,
-               mesh: Mesh | None = None) -> dict:
+               mesh: Mesh | None = None, guard: StepGuard | None = None, step: int = 0) -> dict:
     """Forward/backward over this rank's micro-batches (input_ids, labels[, position_ids[, doc_ids]]),
-    clip, step.
-    Returns device tensors; distributed, one host synchronisation (the global token count)."""
+    clip, and the optimizer step unless `guard` skips it (`out["skipped"]`: the reason) or halts
+    the run (non-finite values under train.nonfinite = halt). `step` is 1-based.
+    Returns device tensors; host synchronisations: the global token count (distributed) and the
+    guard's decision."""
     counts = [int((mb[1] != -100).sum()) for mb in micro_batches]  # on the host, before upload
     n_tokens = sum(counts)
     if mesh is not None:
         n_tokens = int(_sum(torch.tensor([n_tokens], device=device), mesh).item())
+    inject_failure(step)
     loss_sum = torch.zeros((), device=device)
     for mb, count in zip(micro_batches, counts):
-        ids, labels = mb[0].to(device, non_blocking=True), mb[1].to(device, non_blocking=True)
-        pos, docs = (mb[i].to(device, non_blocking=True) if len(mb) > i and mb[i] is not None else None
-                     for i in (2, 3))
+        ids, labels, pos, docs = _device_batch(mb, device)
         share = count / n_tokens
         with autocast(device, amp):
             loss = model(ids, labels=labels, position_ids=pos, aux_weight=share, doc_ids=docs)
+        if injected("nan-loss", step):
+            loss = loss * float("nan")
+        elif injected("spike-loss", step):
+            loss = loss * 100.0
         (loss / n_tokens).backward()
         loss_sum += loss.detach()
     params = [p for p in model.parameters() if p.grad is not None]
     replicas = mesh.layout.dp_replicate if mesh is not None else 1
     grad_norm = clip_grad_norm(params, grad_clip, mesh.data_group if mesh is not None else None, replicas)
-    optimizer.step()
+    reason, bad_ranks = guard.check(loss_sum, n_tokens, grad_norm, None) if guard is not None else (None, [])
+    if reason is not None and reason.startswith("non-finite") and guard.policy == "halt":
+        optimizer.zero_grad(set_to_none=True)
+        ids, labels, pos, docs = _device_batch(micro_batches[0], device)
+
+        def forward():
+            with autocast(device, amp):
+                model(ids, labels=labels, position_ids=pos, doc_ids=docs)
+
+        where = first_nonfinite_module(model, forward)
+        found = (f"the first module whose output went non-finite: {where}" if where else
+                 "the forward of its first micro-batch stays finite: the values went non-finite in the loss "
+                 "or the backward")
+        raise TrainingHalted(f"step {step}: {reason}" + (f" on rank(s) {bad_ranks}" if bad_ranks else "") +
+                             f"; {found}. Set train.nonfinite=skip to skip such steps, lower optim.lr, or resume "
+                             "from an earlier checkpoint")
+    if reason is None:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    stats = [block.end_step() for block in model.moe_blocks()]
+    stats = [block.end_step(applied=reason is None) for block in model.moe_blocks()]
     aux = torch.stack([s["aux"] for s in stats]).sum() if stats else torch.zeros((), device=device)
     sums = _sum(torch.stack([loss_sum, aux.to(loss_sum.dtype)]), mesh)
-    out = {"loss": sums[0] / n_tokens, "grad_norm": grad_norm, "tokens": n_tokens}
+    out = {"loss": sums[0] / n_tokens, "grad_norm": grad_norm, "tokens": n_tokens, "skipped": reason}
     if stats:
         out["aux_loss"] = sums[1]
         loads = torch.stack([s["load"] for s in stats])
@@ -200,7 +228,7 @@ def train(cfg: RunConfig) -> dict:
     val_idx = validation_batches(val_ds, d.micro_batch_size * D, d.val_batches)
     sampler = GlobalBatchSampler(len(train_ds), d.global_batch_size, cfg.train.seed)
     launched = "TORCHELASTIC_RUN_ID" in os.environ or layout.world > 1  # under torchrun: the sharded path
-    mesh = init_distributed(layout, device.type) if launched else None
+    mesh = init_distributed(layout, device.type, cfg.parallel.timeout_s) if launched else None
     device = mesh.device if mesh is not None else device
     rank0 = mesh is None or mesh.rank == 0
     val_batches = [rank_batches(val_ds, idx, d.micro_batch_size, mesh, d.document_mask) for idx in val_idx]
@@ -216,7 +244,11 @@ def train(cfg: RunConfig) -> dict:
     if rank0:
         save_run_config(cfg)
     checkpoint.clean_partial(ckpt_dir)
-    path = checkpoint.latest(ckpt_dir) if resume == "auto" else (None if resume == "none" else resume)
+    refused = []
+    if resume == "auto":
+        path, refused = checkpoint.newest_valid(ckpt_dir)
+    else:
+        path = None if resume == "none" else resume
     if path is not None:
         state = checkpoint.load(path, model, optimizer)
         start = state["step"]
@@ -228,10 +260,16 @@ def train(cfg: RunConfig) -> dict:
                  config=cfg.to_dict()) if rank0 else QuietLog()
     if mesh is not None:
         log.say(f"parallel layout: {layout.describe()}, {layout.world} process(es) on {device.type}")
+    for reason in refused:
+        log.say(f"passed over: {reason}")
     if path is not None:
         log.say(f"resumed from {path} at step {start}")
     elif cfg.checkpoint.init_from:
         log.say(f"initialised from the weights of {cfg.checkpoint.init_from}")
+    t = cfg.train
+    guard = StepGuard(t.nonfinite, t.max_skips, t.spike_factor, t.spike_window)
+    preemption = Preemption().install()
+    preempted = None
     last, tokens_since, t_since = {}, 0, time.perf_counter()
     run_tokens, run_time = 0, 0.0
     record, first_loss = {}, None
@@ -240,9 +278,23 @@ def train(cfg: RunConfig) -> dict:
         lr = lr_at(step, cfg.train.steps, cfg.optim)
         set_lr(optimizer, lr)
         micro = rank_batches(train_ds, sampler.next_batch(), d.micro_batch_size, mesh, d.document_mask)
-        last = train_step(model, optimizer, micro, cfg.optim.grad_clip, device, amp, mesh)
-        tokens_since += last["tokens"]
         done = step + 1
+        try:
+            last = train_step(model, optimizer, micro, cfg.optim.grad_clip, device, amp, mesh, guard, done)
+            if last["skipped"] is not None:
+                log.say(f"step {done}: skipped ({last['skipped']}); {guard.skipped_in_a_row + 1} in a row, "
+                        f"{guard.skipped_total + 1} in all")
+            guard.count(last["skipped"], done)
+        except BaseException as e:
+            preemption.uninstall()
+            log.close()
+            if mesh is not None and isinstance(e, RuntimeError) and "timed out" in str(e).lower():
+                raise TrainingHalted(
+                    f"rank {mesh.rank}, step {done}: a collective waited longer than parallel.timeout_s = "
+                    f"{cfg.parallel.timeout_s:g} s, so another rank hung or died (its log says which); "
+                    f"{str(e).splitlines()[0][:200]}") from e
+            raise
+        tokens_since += last["tokens"]
         is_last = done == end
         validate = is_last or (d.val_every and done % d.val_every == 0)
         if done % cfg.log.every == 0 or validate or is_last:
@@ -252,7 +304,8 @@ def train(cfg: RunConfig) -> dict:
             steps_since = done - (record.get("step", start))
             record = {"step": done, "loss": last["loss"].item(), "lr": lr, "grad_norm": last["grad_norm"].item(),
                       "tokens_per_s": tokens_since / elapsed, "step_time_s": elapsed / steps_since,
-                      "peak_mem_gb": peak_memory_gb(device), "epoch": sampler.epoch}
+                      "peak_mem_gb": peak_memory_gb(device), "epoch": sampler.epoch,
+                      "skipped_steps": guard.skipped_total}
             for key in ("aux_loss", "expert_load_imbalance"):
                 if key in last:
                     record[key] = last[key].item()
@@ -264,13 +317,20 @@ def train(cfg: RunConfig) -> dict:
             tokens_since, t_since = 0, time.perf_counter()  # validation time is not step time
         log.advance()
         every = cfg.checkpoint.every
-        if (every and done % every == 0) or (is_last and cfg.checkpoint.save_final):
+        stop = not is_last and preemption.requested(device, None)
+        if (every and done % every == 0) or (is_last and cfg.checkpoint.save_final) or stop:
             t_save = time.perf_counter()
             checkpoint.save(ckpt_dir, done, model, optimizer, {"data": sampler.state_dict(), "lr": lr},
                             cfg.checkpoint.keep, hf_config=cfg.model.hf)
             t_since += time.perf_counter() - t_save  # nor is saving
+        if stop:
+            preempted = done
+            log.say(f"SIGTERM: checkpoint of step {done} saved; resume with checkpoint.resume=auto")
+            break
+    preemption.uninstall()
     log.close()
-    summary = {"run_dir": cfg.log.run_dir, "steps": cfg.train.steps, "start_step": start}
+    summary = {"run_dir": cfg.log.run_dir, "steps": cfg.train.steps, "start_step": start, "preempted_at": preempted,
+               "skipped_steps": guard.skipped_total}
     if record:
         summary.update(first_loss=first_loss, train_loss=record["loss"], val_loss=record.get("val_loss"),
                        tokens_per_s=run_tokens / run_time)

@@ -1,0 +1,146 @@
+"""Step guards: non-finite values, loss spikes, preemption signals, and test fault injection.
+
+- Non-finite loss or gradient (`train.nonfinite`): checked after backward, before the optimizer
+  step, on every rank alike (the flags are all-reduced). `halt` stops the run with the step, the
+  ranks whose loss went non-finite and the first module whose forward output did (found by
+  running the first micro-batch again with forward hooks); `skip` drops the step (no update, the
+  gradients are discarded), counts it, and stops after `train.max_skips` skipped steps in a row.
+- Loss spikes (`train.spike_factor` > 0): a step whose loss exceeds factor x the mean of the last
+  `train.spike_window` applied steps is skipped the same way (once the window is full).
+- SIGTERM (a preempting scheduler): the handler only sets a flag; at the next step boundary every
+  rank learns of it (all-reduced), a checkpoint is written and the run ends with exit code 0, so
+  `checkpoint.resume=auto` continues it.
+- A collective that waits longer than `parallel.timeout_s` (a rank hung or died) fails with a
+  message that says so; torchrun then ends the other ranks.
+- `PITHTRAIN_FAULT=<name>:<step>[:<rank>]` injects a fault for tests: `nan-loss` (the loss of
+  that step becomes NaN), `spike-loss` (multiplied by 100), `raise` (an exception at the start of
+  the step), `kill` (SIGKILL), `sleep` (the rank stops participating for an hour), and the
+  checkpoint kill points of `train/checkpoint.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+
+
+class TrainingHalted(RuntimeError):
+    """The run stopped on purpose (non-finite values, too many skipped steps); the message says why."""
+
+
+def injected(name: str, step: int) -> bool:
+    """Whether PITHTRAIN_FAULT asks for fault `name` at `step` (1-based) on this rank."""
+    spec = os.environ.get("PITHTRAIN_FAULT", "").split(":")
+    if len(spec) < 2 or spec[0] != name or spec[1] != str(step):
+        return False
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return len(spec) < 3 or spec[2] == str(rank)
+
+
+def inject_failure(step: int) -> None:
+    """The `raise`, `kill` and `sleep` faults of PITHTRAIN_FAULT, at the start of a step."""
+    if injected("raise", step):
+        raise RuntimeError(f"injected fault: rank raised at step {step}")
+    if injected("kill", step):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if injected("sleep", step):
+        import time
+
+        time.sleep(3600)
+
+
+def _reduce(t: torch.Tensor, group) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(t, group=group)
+    return t
+
+
+class StepGuard:
+    """Decides, before each optimizer step, whether the step is applied."""
+
+    def __init__(self, policy: str, max_skips: int, spike_factor: float, spike_window: int):
+        self.policy, self.max_skips = policy, max_skips
+        self.spike_factor, self.spike_window = spike_factor, spike_window
+        self.recent: list[float] = []  # losses of the last applied steps
+        self.skipped_in_a_row = self.skipped_total = 0
+
+    def check(self, loss_sum: torch.Tensor, n_tokens: int, grad_norm: torch.Tensor, group) -> tuple[str | None, list]:
+        """(reason to skip or None, ranks whose loss was non-finite). One host synchronisation."""
+        world = dist.get_world_size(group) if dist.is_initialized() else 1
+        rank = dist.get_rank(group) if dist.is_initialized() else 0
+        flags = torch.zeros(world + 1, dtype=torch.float64, device=loss_sum.device)
+        flags[rank] = (~torch.isfinite(loss_sum)).double()
+        flags[world] = torch.nan_to_num(loss_sum.double(), nan=0.0, posinf=0.0, neginf=0.0)
+        flags = _reduce(flags, group)
+        bad_ranks = [r for r in range(world) if flags[r].item() > 0]
+        loss = flags[world].item() / n_tokens
+        if bad_ranks or not torch.isfinite(grad_norm).item():
+            return "non-finite loss" if bad_ranks else "non-finite gradient", bad_ranks
+        if self.spike_factor and len(self.recent) == self.spike_window:
+            baseline = sum(self.recent) / len(self.recent)
+            if loss > self.spike_factor * baseline:
+                return f"loss spike: {loss:.4g} > {self.spike_factor:g} x recent mean {baseline:.4g}", []
+        self.recent = (self.recent + [loss])[-self.spike_window:]
+        return None, []
+
+    def count(self, reason: str | None, step: int) -> None:
+        """Book a step's outcome; raise TrainingHalted after too many skips in a row."""
+        if reason is None:
+            self.skipped_in_a_row = 0
+            return
+        self.skipped_in_a_row += 1
+        self.skipped_total += 1
+        if self.skipped_in_a_row > self.max_skips:
+            raise TrainingHalted(f"step {step}: {self.skipped_in_a_row} steps in a row were skipped (last: {reason}); "
+                                 f"train.max_skips = {self.max_skips}. Lower optim.lr, check the data of these steps, "
+                                 "or resume from an earlier checkpoint")
+
+
+@torch.no_grad()
+def first_nonfinite_module(model: torch.nn.Module, forward) -> str | None:
+    """Run `forward()` with hooks on every module; the name of the first (in execution order)
+    whose output holds a NaN or Inf, or None if the forward stays finite. Every rank must call it
+    (the forward may hold collectives)."""
+    found: list[str] = []
+
+    def hook(name):
+        def check(module, args, output):
+            outs = output if isinstance(output, (tuple, list)) else (output,)
+            if not found and any(isinstance(o, torch.Tensor) and o.is_floating_point() and
+                                 not torch.isfinite(o).all() for o in outs):
+                found.append(name)
+        return check
+
+    handles = [m.register_forward_hook(hook(n or "model")) for n, m in model.named_modules()]
+    try:
+        forward()
+    finally:
+        for h in handles:
+            h.remove()
+    return found[0] if found else None
+
+
+class Preemption:
+    """SIGTERM sets a flag; `requested()` tells every rank at a step boundary."""
+
+    def __init__(self):
+        self.flag = False
+        self.previous = None
+
+    def install(self) -> "Preemption":
+        def handler(signum, frame):
+            self.flag = True
+
+        self.previous = signal.signal(signal.SIGTERM, handler)
+        return self
+
+    def uninstall(self) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+
+    def requested(self, device, group) -> bool:
+        t = torch.tensor([float(self.flag)], device=device)
+        return _reduce(t, group).item() > 0

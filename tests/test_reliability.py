@@ -1,0 +1,253 @@
+"""Reliability promises, each by fault injection: a non-finite loss halts the run naming the step,
+the rank and the first module that went non-finite, or is skipped (counted, stopped after
+train.max_skips in a row); a loss spike is skipped; SIGTERM saves a checkpoint at the next step
+boundary and exits 0, and the run resumes from it; the same under torchrun with two ranks."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY_MODEL, run_cli, write_run
+from pithtrain.config import ConfigError, load_config
+from pithtrain.layers.transformer import init_weights
+from pithtrain.models import build_model
+from pithtrain.train.guard import StepGuard, TrainingHalted, first_nonfinite_module
+from pithtrain.train.loop import train_step
+
+
+def tiny():
+    torch.manual_seed(0)
+    model = build_model(TINY_MODEL)
+    init_weights(model, seed=0)
+    ids = torch.randint(0, TINY_MODEL["vocab_size"], (2, 16))
+    return model, [(ids, torch.roll(ids, -1, 1))]
+
+
+def params(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_nonfinite_step_is_skipped_and_the_next_one_applied(monkeypatch):
+    model, batch = tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = StepGuard("skip", 3, 0.0, 20)
+    before = params(model)
+    monkeypatch.setenv("PITHTRAIN_FAULT", "nan-loss:1")
+    out = train_step(model, opt, batch, 1.0, torch.device("cpu"), None, guard=guard, step=1)
+    assert out["skipped"] == "non-finite loss"
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # no update at all
+    assert all(p.grad is None for p in model.parameters()) and not opt.state  # nothing carried over
+    out = train_step(model, opt, batch, 1.0, torch.device("cpu"), None, guard=guard, step=2)
+    assert out["skipped"] is None and torch.isfinite(out["loss"])
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_skips_in_a_row_stop_the_run():
+    guard = StepGuard("skip", 2, 0.0, 20)
+    guard.count("non-finite loss", 5)
+    guard.count(None, 6)  # an applied step resets the run of skips
+    guard.count("non-finite loss", 7)
+    guard.count("non-finite gradient", 8)
+    with pytest.raises(TrainingHalted, match="step 9: 3 steps in a row were skipped"):
+        guard.count("non-finite loss", 9)
+    assert guard.skipped_total == 4
+
+
+def test_loss_spike_is_skipped_once_the_window_is_full():
+    guard = StepGuard("halt", 3, 3.0, 3)
+    norm = torch.tensor(1.0)
+    for loss in (2.0, 9.0, 1.0, 5.0):  # 9.0 came before the window was full; 5.0 < 3 x mean(2, 9, 1)
+        assert guard.check(torch.tensor(loss * 10), 10, norm, None) == (None, [])
+    reason, _ = guard.check(torch.tensor(30.0 * 10), 10, norm, None)  # 30 > 3 x mean(9, 1, 5)
+    assert reason == "loss spike: 30 > 3 x recent mean 5"
+    assert guard.recent == [9.0, 1.0, 5.0]  # a skipped step does not enter the baseline
+    assert guard.check(torch.tensor(1.0), 1, torch.tensor(float("inf")), None)[0] == "non-finite gradient"
+
+
+def test_first_nonfinite_module_is_named():
+    model, batch = tiny()
+    with torch.no_grad():
+        model.model.layers["2"].self_attn.o_proj.weight[0, 0] = float("nan")
+    assert first_nonfinite_module(model, lambda: model(batch[0][0])) == "model.layers.2.self_attn.o_proj"
+    with torch.no_grad():
+        model.model.layers["2"].self_attn.o_proj.weight[0, 0] = 0.0
+    assert first_nonfinite_module(model, lambda: model(batch[0][0])) is None
+
+
+def test_halt_names_step_rank_and_module(tiny_corpus, tmp_path):
+    toml = write_run(tmp_path, tiny_corpus)
+    proc = run_cli("train", toml, "train.steps=6", "train.device=cpu", "log.every=1",
+                   env={"PITHTRAIN_FAULT": "nan-loss:3"}, check=False)
+    assert proc.returncode == 3, proc.stderr
+    assert "training halted (rank 0): step 3: non-finite loss on rank(s) [0]" in proc.stderr
+    assert "forward of its first micro-batch stays finite" in proc.stderr  # the NaN was put into the loss
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        assert max(json.loads(line)["step"] for line in f) <= 2  # nothing was logged for step 3
+
+
+def test_skip_and_spike_policies_through_the_loop(tiny_corpus, tmp_path, monkeypatch):
+    from pithtrain.train.loop import train
+
+    toml = write_run(tmp_path, tiny_corpus)
+    monkeypatch.setenv("PITHTRAIN_FAULT", "nan-loss:3")
+    summary = train(load_config(toml, ["train.steps=5", "train.device=cpu", "train.nonfinite=skip",
+                                       f"log.run_dir={tmp_path}/skip"]))
+    assert summary["skipped_steps"] == 1 and summary["train_loss"] == summary["train_loss"]  # finite
+    monkeypatch.setenv("PITHTRAIN_FAULT", "spike-loss:6")
+    summary = train(load_config(toml, ["train.steps=7", "train.device=cpu", "train.spike_factor=5",
+                                       "train.spike_window=3", f"log.run_dir={tmp_path}/spike"]))
+    assert summary["skipped_steps"] == 1
+    with pytest.raises(ConfigError, match="spike_factor"):
+        load_config(toml, ["train.spike_factor=0.5"])
+
+
+def _wait_for_step(metrics: str, proc, timeout: float = 120) -> None:
+    end = time.time() + timeout
+    while time.time() < end:
+        assert proc.poll() is None, proc.communicate()
+        if os.path.exists(metrics) and os.path.getsize(metrics) > 0:
+            return
+        time.sleep(0.2)
+    raise AssertionError("no step was logged in time")
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_sigterm_saves_and_exits_cleanly_then_resumes(tiny_corpus, tmp_path, ranks):
+    from conftest import losses
+
+    toml = write_run(tmp_path, tiny_corpus, "device = \"cpu\"\n")
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    launch = [sys.executable, "-m", "pithtrain"] if ranks == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m", "pithtrain"]
+    proc = subprocess.Popen(launch + ["train", toml, "train.steps=500", "log.every=1"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _wait_for_step(str(run_dir / "metrics.jsonl"), proc)
+    t0 = time.time()
+    os.killpg(proc.pid, signal.SIGTERM)  # as a scheduler signals the job's processes
+    out, err = proc.communicate(timeout=120)
+    took = time.time() - t0
+    saved = sorted(p for p in os.listdir(run_dir / "checkpoints") if p.startswith("step-"))
+    assert len(saved) == 1 and os.path.exists(run_dir / "checkpoints" / saved[0] / "complete.json"), (out, err)
+    step = int(saved[0].split("-")[1])
+    assert 1 <= step < 500 and f"SIGTERM: checkpoint of step {step} saved" in out, (out, err)
+    if ranks == 1:
+        assert proc.returncode == 0, err
+    assert took < 60
+    resumed = run_cli("train", toml, f"train.steps={step + 2}", "checkpoint.resume=auto")
+    assert f"resumed from" in resumed.stdout and step + 2 in losses(str(run_dir))
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+@pytest.mark.parametrize("fault", ["raise", "kill", "sleep"])
+def test_a_failing_rank_ends_the_whole_job(tiny_corpus, tmp_path, fault):
+    """4 ranks (dp2 x ep2) under torchrun; rank 2 raises, is SIGKILLed, or stops participating at
+    step 3. Every process is gone within 60 s of step 2's record, the job exits non-zero, and the
+    output names the rank and the cause (the traceback for `raise`, the collective timeout for
+    `sleep`)."""
+    toml = write_run(tmp_path, tiny_corpus, "device = \"cpu\"\n")
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "PITHTRAIN_FAULT": f"{fault}:3:2"}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                             "-m", "pithtrain", "train", toml, "train.steps=50", "log.every=1", "parallel.ep=2",
+                             "parallel.timeout_s=10", "data.global_batch_size=8"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    metrics = str(run_dir / "metrics.jsonl")
+    end = time.time() + 180
+    while time.time() < end and proc.poll() is None:
+        if os.path.exists(metrics) and any(json.loads(line)["step"] >= 2 for line in open(metrics)):
+            break
+        time.sleep(0.1)
+    t0 = time.time()
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if _group_alive(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+    took = time.time() - t0
+    deadline = time.time() + 10
+    while _group_alive(proc.pid) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not _group_alive(proc.pid), "ranks are still running"
+    assert proc.returncode != 0
+    assert took < 60, took
+    text = out + err
+    root = text.split("Root Cause")[-1]
+    if fault == "raise":  # the failing rank is the root cause, with its exception and traceback
+        assert "rank      : 2" in root and "injected fault: rank raised at step 3" in root and "Traceback" in root
+    if fault == "kill":
+        assert "rank      : 2" in root and "SIGKILL" in root, root
+    if fault == "sleep":  # the others time out and say so; the hung rank is the one torchrun must SIGKILL
+        assert "waited longer than parallel.timeout_s = 10 s" in text, text[-3000:]
+        killed = [block for block in text.split("[") if "SIGKILL" in block and "rank      :" in block]
+        assert killed and all("rank      : 2" in block for block in killed), text[-3000:]
+    print(f"{fault}: all ranks gone {took:.1f} s after step 2's record")
+
+
+@pytest.mark.parametrize("point", ["save-after-tensors", "save-before-marker"])
+def test_killed_saves_and_corrupt_checkpoints(tiny_corpus, tmp_path, point):
+    """A save killed at either point leaves the previous checkpoint; the partial one is ignored and
+    removed. A flipped byte (same size) and a truncated file are refused with the path and file
+    named; resume=auto passes over them, says so, and continues from the newest valid one."""
+    from pithtrain.train import checkpoint
+
+    toml = write_run(tmp_path, tiny_corpus, "device = \"cpu\"\n")
+    ckdir = tmp_path / "run" / "checkpoints"
+    base = ["train.steps=6", "checkpoint.every=2", "checkpoint.keep=5"]
+    proc = run_cli("train", toml, *base, env={"PITHTRAIN_FAULT": f"{point}:4"}, check=False)
+    assert proc.returncode == 137
+    assert checkpoint.newest_valid(str(ckdir)) == (str(ckdir / "step-00000002"), [])
+    run_cli("train", toml, *base, "checkpoint.resume=auto")
+    assert sorted(os.listdir(ckdir)) == ["step-00000002", "step-00000004", "step-00000006"]  # partial removed
+    flipped = next(p for p in (ckdir / "step-00000006").iterdir() if p.suffix == ".distcp")
+    data = bytearray(flipped.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    flipped.write_bytes(bytes(data))
+    truncated = next(p for p in (ckdir / "step-00000004").iterdir() if p.suffix == ".distcp")
+    truncated.write_bytes(truncated.read_bytes()[:100])
+    with pytest.raises(checkpoint.CheckpointError, match=f"step-00000006: {flipped.name} is corrupt"):
+        checkpoint.verify(str(ckdir / "step-00000006"), checksums=True)
+    proc = run_cli("train", toml, "train.steps=8", f"checkpoint.resume={ckdir}/step-00000006", check=False)
+    assert proc.returncode == 2 and f"step-00000006: {flipped.name} is corrupt" in proc.stderr
+    out = run_cli("train", toml, "train.steps=8", "checkpoint.every=2", "checkpoint.keep=5", "checkpoint.resume=auto")
+    assert f"passed over: checkpoint {ckdir}/step-00000006: {flipped.name} is corrupt" in out.stdout
+    assert f"resumed from {ckdir}/step-00000002 at step 2" in out.stdout  # step 4 is truncated: not listed
+
+
+def test_exact_resume_after_a_crash_under_dp2_x_ep2(tiny_corpus, tmp_path):
+    """dp2 x ep2 (4 gloo ranks, fp32): a run killed at step 5 (rank 1, SIGKILL) and resumed with
+    resume=auto from its step-3 checkpoint logs the uninterrupted run's losses, bit for bit."""
+    from conftest import losses
+
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+
+    def torchrun(run_dir, *extra, fault=None):
+        e = {**env, "PITHTRAIN_FAULT": fault} if fault else env
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                               "-m", "pithtrain", "train", toml, "train.steps=6", "log.every=1", "parallel.ep=2",
+                               "data.global_batch_size=8", "checkpoint.every=3", f"log.run_dir={run_dir}", *extra],
+                              cwd=ROOT, env=e, capture_output=True, text=True, timeout=600)
+
+    toml = write_run(tmp_path, tiny_corpus, "device = \"cpu\"\n")
+    whole = torchrun(tmp_path / "whole")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    crashed = torchrun(tmp_path / "crashed", fault="kill:5:1")
+    assert crashed.returncode != 0 and max(losses(str(tmp_path / "crashed"))) == 4
+    resumed = torchrun(tmp_path / "crashed", "checkpoint.resume=auto")
+    assert resumed.returncode == 0 and "at step 3" in resumed.stdout, resumed.stderr[-3000:]
+    a, b = losses(str(tmp_path / "whole")), losses(str(tmp_path / "crashed"))
+    assert sorted(a) == sorted(b) == list(range(1, 7)) and a == b  # floats compared exactly
