@@ -36,6 +36,7 @@ class TrainConfig:
     # A non-finite loss or gradient: halt (stop, naming the step, the ranks and the first module whose
     # output went non-finite) or skip the step (stop after max_skips skipped steps in a row).
     nonfinite: Literal["halt", "skip"] = "halt"
+    deterministic: bool = False  # bitwise repeatable runs: deterministic kernels only (slower; errors name an op without one)
     max_skips: int = 3
     spike_factor: float = 0.0  # > 1: skip a step whose loss exceeds this x the mean of the last spike_window
     spike_window: int = 20

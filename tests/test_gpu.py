@@ -365,3 +365,14 @@ def test_compiled_training_does_not_recompile(tiny_corpus, tmp_path):
     finally:
         loop.train_step = step
     assert graphs[0] > 0 and len(set(graphs[2:])) == 1, graphs
+
+
+def test_deterministic_mode_repeats_bitwise(tiny_corpus, tmp_path):
+    """train.deterministic: two runs of 20 steps on the GPU log identical losses."""
+    from conftest import losses, run_cli, write_run
+
+    toml = write_run(tmp_path, tiny_corpus, "steps = 20\ndevice = \"cuda\"\ndeterministic = true\n", head_dim=16)
+    for name in ("a", "b"):
+        run_cli("train", toml, f"log.run_dir={tmp_path}/{name}", "log.every=1", "data.document_mask=true")
+    a, b = losses(f"{tmp_path}/a"), losses(f"{tmp_path}/b")
+    assert sorted(a) == list(range(1, 21)) and a == b

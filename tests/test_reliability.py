@@ -251,3 +251,68 @@ def test_exact_resume_after_a_crash_under_dp2_x_ep2(tiny_corpus, tmp_path):
     assert resumed.returncode == 0 and "at step 3" in resumed.stdout, resumed.stderr[-3000:]
     a, b = losses(str(tmp_path / "whole")), losses(str(tmp_path / "crashed"))
     assert sorted(a) == sorted(b) == list(range(1, 7)) and a == b  # floats compared exactly
+
+
+def test_out_of_memory_is_reported_with_a_breakdown(tiny_corpus, tmp_path, monkeypatch):
+    from pithtrain.layers.transformer import CausalLM
+    from pithtrain.train.loop import train
+
+    toml = write_run(tmp_path, tiny_corpus, "device = \"cpu\"\n")
+    forward = CausalLM.forward
+    calls = []
+
+    def failing(self, *a, **kw):
+        calls.append(1)
+        if len(calls) > 3:  # after the first step: AdamW states exist
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return forward(self, *a, **kw)
+
+    monkeypatch.setattr(CausalLM, "forward", failing)
+    with pytest.raises(TrainingHalted) as e:
+        train(load_config(toml, ["train.steps=4", "data.val_every=0"]))
+    text = str(e.value)
+    assert "out of memory on cpu: CUDA out of memory. Tried to allocate 20.00 GiB" in text
+    assert "parameters 0.00 GB, gradients" in text and "AdamW states" in text and "train.recompute=both" in text
+
+
+def test_a_corpus_from_another_tokenizer_is_refused(tiny_corpus, tmp_path):
+    """Resuming on a corpus built with another tokenizer, or starting from weights that come with a
+    different tokenizer, stops before training with both named."""
+    import shutil
+
+    from pithtrain.train.data import build_corpus, demo_texts
+    from pithtrain.train.loop import train
+
+    other = tmp_path / "other"
+    src = tmp_path / "src"
+    src.mkdir()
+    for i, text in enumerate(demo_texts()[:120]):
+        (src / f"{i}.txt").write_text(text)
+    build_corpus([str(src)], str(other), None, workers=1, demo_vocab_size=300, val_fraction=0.1)
+    toml = write_run(tmp_path, tiny_corpus, "device = \"cpu\"\n")
+    train(load_config(toml, ["train.steps=2", "optim.warmup_steps=1"]))
+    with pytest.raises(ConfigError, match="another tokenizer"):
+        train(load_config(toml, ["train.steps=3", "optim.warmup_steps=1", "checkpoint.resume=auto",
+                                 f"data.corpus={other}"]))
+    weights = tmp_path / "run" / "checkpoints" / "step-00000002"
+    shutil.copy(other / "tokenizer.json", weights / "tokenizer.json")  # as `convert` stores a model's tokenizer
+    with pytest.raises(ConfigError, match="comes with a tokenizer"):
+        train(load_config(toml, ["train.steps=2", "optim.warmup_steps=1", f"checkpoint.init_from={weights}",
+                                 f"log.run_dir={tmp_path}/fresh"]))
+
+
+def test_deterministic_switch(tiny_corpus, tmp_path):
+    """train.deterministic turns on torch's deterministic algorithms; on CPU two runs are equal."""
+    from conftest import losses
+
+    toml = write_run(tmp_path, tiny_corpus, "device = \"cpu\"\ndeterministic = true\n")
+    for name in ("a", "b"):
+        run_cli("train", toml, "train.steps=3", "log.every=1", f"log.run_dir={tmp_path}/{name}")
+    assert losses(f"{tmp_path}/a") == losses(f"{tmp_path}/b")
+    try:
+        from pithtrain.train.loop import set_deterministic
+
+        set_deterministic()
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)

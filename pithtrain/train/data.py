@@ -63,6 +63,15 @@ def load_tokenizer(path: str) -> Tokenizer:
         raise CorpusError(f"tokenizer: cannot load {file} ({e}); it must be a `tokenizers` tokenizer.json") from e
 
 
+def tokenizer_fingerprint(path: str) -> str:
+    """A short hash of a tokenizer.json's vocabulary (tokens and ids, added tokens included): two
+    files with the same fingerprint encode text to the same ids."""
+    import hashlib
+
+    vocab = load_tokenizer(path).get_vocab(with_added_tokens=True)
+    return hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()[:16]
+
+
 def find_eos_id(tok: Tokenizer, eos_token: str | None = None) -> int:
     """Id of the end-of-document token: ``eos_token`` if given, else the first usual EOS name in the vocab."""
     for name in [eos_token] if eos_token is not None else EOS_CANDIDATES:

@@ -123,6 +123,31 @@ def first_nonfinite_module(model: torch.nn.Module, forward) -> str | None:
     return found[0] if found else None
 
 
+def _local_bytes(t: torch.Tensor) -> int:
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
+
+
+def out_of_memory_report(model: torch.nn.Module, optimizer, device: torch.device, error: Exception) -> str:
+    """What holds this rank's memory when an allocation failed, and what to change."""
+    gb = 2**30
+    params = sum(_local_bytes(p) for p in model.parameters())
+    grads = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+    states = sum(_local_bytes(t) for st in optimizer.state.values() for t in st.values()
+                 if isinstance(t, torch.Tensor) and t.dim() > 0)
+    lines = [f"out of memory on {device}: {str(error).splitlines()[0][:200]}",
+             f"  parameters {params / gb:.2f} GB, gradients {grads / gb:.2f} GB, AdamW states {states / gb:.2f} GB"]
+    if device.type == "cuda":
+        peak, total = torch.cuda.max_memory_allocated(device), torch.cuda.get_device_properties(device).total_memory
+        rest = max(peak - params - grads - states, 0)
+        lines.append(f"  activations and workspace (the rest of the peak) {rest / gb:.2f} GB; peak allocated "
+                     f"{peak / gb:.2f} GB of the device's {total / gb:.2f} GB")
+    lines.append("  to fit: train.recompute=both (activations), train.param_dtype=bf16 (halves weights, gradients "
+                 "and states), a smaller data.micro_batch_size (the global batch stays, by accumulation), or more "
+                 "ranks (FSDP shards weights, gradients and states)")
+    return "\n".join(lines)
+
+
 class Preemption:
     """SIGTERM sets a flag; `requested()` tells every rank at a step boundary."""
 

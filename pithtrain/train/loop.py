@@ -30,8 +30,9 @@ from pithtrain.parallel.fsdp import build_parallel
 from pithtrain.parallel.mesh import Mesh, init_distributed, plan_layout, world_size
 from pithtrain.train import checkpoint
 from pithtrain.train.guard import (Preemption, StepGuard, TrainingHalted, first_nonfinite_module, inject_failure,
-                                   injected)
-from pithtrain.train.data import GlobalBatchSampler, PackedDataset, batch_tensors, document_ids, validation_batches
+                                   injected, out_of_memory_report)
+from pithtrain.train.data import (GlobalBatchSampler, PackedDataset, batch_tensors, document_ids, tokenizer_fingerprint,
+                                  validation_batches)
 from pithtrain.train.log import QuietLog, RunLog, peak_memory_gb, plot_losses
 from pithtrain.train.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 
@@ -46,6 +47,16 @@ def resolve_device(cfg: RunConfig) -> tuple[torch.device, torch.dtype | None]:
     if dtype == "auto":
         dtype = "bf16" if device.type == "cuda" else "fp32"
     return device, (torch.bfloat16 if dtype == "bf16" else None)
+
+
+def set_deterministic() -> None:
+    """train.deterministic: every kernel deterministic (cuBLAS with a fixed workspace, cuDNN without
+    autotuning, torch's deterministic algorithms, which raise on an op that has none), so two runs
+    of the same config give the same bits. Our Triton kernels use no atomics: they are deterministic
+    as written."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None):
@@ -199,6 +210,17 @@ def train_step(model: CausalLM, optimizer, micro_batches: list, grad_clip: float
     return out
 
 
+def check_tokenizer_matches(init_from: str, ds: PackedDataset, corpus_tokenizer: str | None) -> None:
+    """Weights that come with a tokenizer (a converted HF checkpoint) must meet a corpus made with it."""
+    theirs = os.path.join(init_from, "tokenizer.json")
+    if corpus_tokenizer is None or not os.path.isfile(theirs):
+        return
+    if tokenizer_fingerprint(theirs) != corpus_tokenizer:
+        raise ConfigError(f"checkpoint.init_from = {init_from} comes with a tokenizer ({theirs}) that differs from "
+                          f"the one data.corpus was built with ({ds.tokenizer_path}); rebuild the corpus with "
+                          f"`pithtrain build-corpus ... --tokenizer {theirs}`")
+
+
 def refuse_to_overwrite(run_dir: str, ckpt_dir: str) -> None:
     """A fresh run (resume = none) must not write over the metrics or checkpoints of another."""
     found = checkpoint.complete_checkpoints(ckpt_dir)
@@ -220,10 +242,14 @@ def train(cfg: RunConfig) -> dict:
     """Run the configured training; return a summary (run dir, losses, throughput, plot path)."""
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
+    if cfg.train.deterministic:
+        set_deterministic()
     device, amp = resolve_device(cfg)
     layout = plan_layout(cfg, world_size())
     train_ds, val_ds = open_data(cfg)
     d = cfg.data
+    has_tok = os.path.isfile(train_ds.tokenizer_path)
+    corpus_tokenizer = tokenizer_fingerprint(train_ds.tokenizer_path) if has_tok else None
     D = layout.data_ranks
     val_idx = validation_batches(val_ds, d.micro_batch_size * D, d.val_batches)
     sampler = GlobalBatchSampler(len(train_ds), d.global_batch_size, cfg.train.seed)
@@ -251,9 +277,14 @@ def train(cfg: RunConfig) -> dict:
         path = None if resume == "none" else resume
     if path is not None:
         state = checkpoint.load(path, model, optimizer)
+        if state.get("tokenizer", corpus_tokenizer) != corpus_tokenizer:
+            raise ConfigError(f"checkpoint {path} was trained on a corpus with another tokenizer (fingerprint "
+                              f"{state['tokenizer']}) than data.corpus = {d.corpus} ({corpus_tokenizer}); resume "
+                              "with the corpus it was trained on, or start from its weights with checkpoint.init_from")
         start = state["step"]
         sampler.load_state_dict(state["data"])
     elif cfg.checkpoint.init_from:
+        check_tokenizer_matches(cfg.checkpoint.init_from, train_ds, corpus_tokenizer)
         checkpoint.load_weights(cfg.checkpoint.init_from, model)
     log = RunLog(cfg.log.run_dir, cfg.train.steps, start, progress=cfg.log.progress,
                  tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb, wandb_project=cfg.log.wandb_project,
@@ -288,6 +319,8 @@ def train(cfg: RunConfig) -> dict:
         except BaseException as e:
             preemption.uninstall()
             log.close()
+            if isinstance(e, torch.OutOfMemoryError):
+                raise TrainingHalted(out_of_memory_report(model, optimizer, device, e)) from e
             if mesh is not None and isinstance(e, RuntimeError) and "timed out" in str(e).lower():
                 raise TrainingHalted(
                     f"rank {mesh.rank}, step {done}: a collective waited longer than parallel.timeout_s = "
@@ -320,7 +353,8 @@ def train(cfg: RunConfig) -> dict:
         stop = not is_last and preemption.requested(device, None)
         if (every and done % every == 0) or (is_last and cfg.checkpoint.save_final) or stop:
             t_save = time.perf_counter()
-            checkpoint.save(ckpt_dir, done, model, optimizer, {"data": sampler.state_dict(), "lr": lr},
+            checkpoint.save(ckpt_dir, done, model, optimizer,
+                            {"data": sampler.state_dict(), "lr": lr, "tokenizer": corpus_tokenizer},
                             cfg.checkpoint.keep, hf_config=cfg.model.hf)
             t_since += time.perf_counter() - t_save  # nor is saving
         if stop:
