@@ -63,11 +63,12 @@ def test_loss_spike_is_skipped_once_the_window_is_full():
     guard = StepGuard("halt", 3, 3.0, 3)
     norm = torch.tensor(1.0)
     for loss in (2.0, 9.0, 1.0, 5.0):  # 9.0 came before the window was full; 5.0 < 3 x mean(2, 9, 1)
-        assert guard.check(torch.tensor(loss * 10), 10, norm, None) == (None, [])
-    reason, _ = guard.check(torch.tensor(30.0 * 10), 10, norm, None)  # 30 > 3 x mean(9, 1, 5)
+        assert guard.check(torch.tensor(loss * 10), 10, norm, None) == (None, [], False)
+    reason, _, _ = guard.check(torch.tensor(30.0 * 10), 10, norm, None)  # 30 > 3 x mean(9, 1, 5)
     assert reason == "loss spike: 30 > 3 x recent mean 5"
     assert guard.recent == [9.0, 1.0, 5.0]  # a skipped step does not enter the baseline
     assert guard.check(torch.tensor(1.0), 1, torch.tensor(float("inf")), None)[0] == "non-finite gradient"
+    assert guard.check(torch.tensor(1.0), 1, norm, None, stop=True)[2] is True
 
 
 def test_first_nonfinite_module_is_named():

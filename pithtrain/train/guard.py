@@ -7,8 +7,8 @@
   gradients are discarded), counts it, and stops after `train.max_skips` skipped steps in a row.
 - Loss spikes (`train.spike_factor` > 0): a step whose loss exceeds factor x the mean of the last
   `train.spike_window` applied steps is skipped the same way (once the window is full).
-- SIGTERM (a preempting scheduler): the handler only sets a flag; at the next step boundary every
-  rank learns of it (all-reduced), a checkpoint is written and the run ends with exit code 0, so
+- SIGTERM (a preempting scheduler): the handler only sets a flag; every rank learns of it in the
+  step's guard all-reduce, and after that step a checkpoint is written and the run ends with exit code 0, so
   `checkpoint.resume=auto` continues it.
 - A collective that waits longer than `parallel.timeout_s` (a rank hung or died) fails with a
   message that says so; torchrun then ends the other ranks.
@@ -67,24 +67,28 @@ class StepGuard:
         self.recent: list[float] = []  # losses of the last applied steps
         self.skipped_in_a_row = self.skipped_total = 0
 
-    def check(self, loss_sum: torch.Tensor, n_tokens: int, grad_norm: torch.Tensor, group) -> tuple[str | None, list]:
-        """(reason to skip or None, ranks whose loss was non-finite). One host synchronisation."""
+    def check(self, loss_sum: torch.Tensor, n_tokens: int, grad_norm: torch.Tensor, group,
+              stop: bool = False) -> tuple[str | None, list, bool]:
+        """(reason to skip or None, ranks whose loss was non-finite, whether any rank asked to stop:
+        SIGTERM). One all-reduce and one host synchronisation for all three."""
         world = dist.get_world_size(group) if dist.is_initialized() else 1
         rank = dist.get_rank(group) if dist.is_initialized() else 0
-        flags = torch.zeros(world + 1, dtype=torch.float64, device=loss_sum.device)
+        flags = torch.zeros(world + 3, dtype=torch.float64, device=loss_sum.device)
         flags[rank] = (~torch.isfinite(loss_sum)).double()
         flags[world] = torch.nan_to_num(loss_sum.double(), nan=0.0, posinf=0.0, neginf=0.0)
-        flags = _reduce(flags, group)
-        bad_ranks = [r for r in range(world) if flags[r].item() > 0]
-        loss = flags[world].item() / n_tokens
-        if bad_ranks or not torch.isfinite(grad_norm).item():
-            return "non-finite loss" if bad_ranks else "non-finite gradient", bad_ranks
+        flags[world + 1] = (~torch.isfinite(grad_norm)).double()
+        flags[world + 2] = float(stop)
+        values = _reduce(flags, group).tolist()
+        bad_ranks = [r for r in range(world) if values[r] > 0]
+        loss, stop_all = values[world] / n_tokens, values[world + 2] > 0
+        if bad_ranks or values[world + 1] > 0:
+            return ("non-finite loss" if bad_ranks else "non-finite gradient"), bad_ranks, stop_all
         if self.spike_factor and len(self.recent) == self.spike_window:
             baseline = sum(self.recent) / len(self.recent)
             if loss > self.spike_factor * baseline:
-                return f"loss spike: {loss:.4g} > {self.spike_factor:g} x recent mean {baseline:.4g}", []
+                return f"loss spike: {loss:.4g} > {self.spike_factor:g} x recent mean {baseline:.4g}", [], stop_all
         self.recent = (self.recent + [loss])[-self.spike_window:]
-        return None, []
+        return None, [], stop_all
 
     def count(self, reason: str | None, step: int) -> None:
         """Book a step's outcome; raise TrainingHalted after too many skips in a row."""
@@ -149,7 +153,7 @@ def out_of_memory_report(model: torch.nn.Module, optimizer, device: torch.device
 
 
 class Preemption:
-    """SIGTERM sets a flag; `requested()` tells every rank at a step boundary."""
+    """SIGTERM sets `flag`; `StepGuard.check` tells every rank at the step's decision."""
 
     def __init__(self):
         self.flag = False
@@ -165,7 +169,3 @@ class Preemption:
     def uninstall(self) -> None:
         if self.previous is not None:
             signal.signal(signal.SIGTERM, self.previous)
-
-    def requested(self, device, group) -> bool:
-        t = torch.tensor([float(self.flag)], device=device)
-        return _reduce(t, group).item() > 0

@@ -154,10 +154,12 @@ def _device_batch(mb: tuple, device) -> tuple:
 
 
 def train_step(model: CausalLM, optimizer, micro_batches: list, grad_clip: float, device, amp,
-               mesh: Mesh | None = None, guard: StepGuard | None = None, step: int = 0) -> dict:
+               mesh: Mesh | None = None, guard: StepGuard | None = None, step: int = 0,
+               stop_requested: bool = False) -> dict:
     """Forward/backward over this rank's micro-batches (input_ids, labels[, position_ids[, doc_ids]]),
     clip, and the optimizer step unless `guard` skips it (`out["skipped"]`: the reason) or halts
-    the run (non-finite values under train.nonfinite = halt). `step` is 1-based.
+    the run (non-finite values under train.nonfinite = halt). `step` is 1-based; `out["stop"]`: some
+    rank was asked to stop (`stop_requested`, SIGTERM), decided with the guard's all-reduce.
     Returns device tensors; host synchronisations: the global token count (distributed) and the
     guard's decision."""
     counts = [int((mb[1] != -100).sum()) for mb in micro_batches]  # on the host, before upload
@@ -180,7 +182,8 @@ def train_step(model: CausalLM, optimizer, micro_batches: list, grad_clip: float
     params = [p for p in model.parameters() if p.grad is not None]
     replicas = mesh.layout.dp_replicate if mesh is not None else 1
     grad_norm = clip_grad_norm(params, grad_clip, mesh.data_group if mesh is not None else None, replicas)
-    reason, bad_ranks = guard.check(loss_sum, n_tokens, grad_norm, None) if guard is not None else (None, [])
+    reason, bad_ranks, stop = (guard.check(loss_sum, n_tokens, grad_norm, None, stop_requested) if guard is not None
+                               else (None, [], False))
     if reason is not None and reason.startswith("non-finite") and guard.policy == "halt":
         optimizer.zero_grad(set_to_none=True)
         ids, labels, pos, docs = _device_batch(micro_batches[0], device)
@@ -202,7 +205,7 @@ def train_step(model: CausalLM, optimizer, micro_batches: list, grad_clip: float
     stats = [block.end_step(applied=reason is None) for block in model.moe_blocks()]
     aux = torch.stack([s["aux"] for s in stats]).sum() if stats else torch.zeros((), device=device)
     sums = _sum(torch.stack([loss_sum, aux.to(loss_sum.dtype)]), mesh)
-    out = {"loss": sums[0] / n_tokens, "grad_norm": grad_norm, "tokens": n_tokens, "skipped": reason}
+    out = {"loss": sums[0] / n_tokens, "grad_norm": grad_norm, "tokens": n_tokens, "skipped": reason, "stop": stop}
     if stats:
         out["aux_loss"] = sums[1]
         loads = torch.stack([s["load"] for s in stats])
@@ -311,7 +314,8 @@ def train(cfg: RunConfig) -> dict:
         micro = rank_batches(train_ds, sampler.next_batch(), d.micro_batch_size, mesh, d.document_mask)
         done = step + 1
         try:
-            last = train_step(model, optimizer, micro, cfg.optim.grad_clip, device, amp, mesh, guard, done)
+            last = train_step(model, optimizer, micro, cfg.optim.grad_clip, device, amp, mesh, guard, done,
+                              preemption.flag)
             if last["skipped"] is not None:
                 log.say(f"step {done}: skipped ({last['skipped']}); {guard.skipped_in_a_row + 1} in a row, "
                         f"{guard.skipped_total + 1} in all")
@@ -350,7 +354,7 @@ def train(cfg: RunConfig) -> dict:
             tokens_since, t_since = 0, time.perf_counter()  # validation time is not step time
         log.advance()
         every = cfg.checkpoint.every
-        stop = not is_last and preemption.requested(device, None)
+        stop = not is_last and last["stop"]
         if (every and done % every == 0) or (is_last and cfg.checkpoint.save_final) or stop:
             t_save = time.perf_counter()
             checkpoint.save(ckpt_dir, done, model, optimizer,
