@@ -26,6 +26,8 @@ import signal
 import torch
 import torch.distributed as dist
 
+from pithtrain.config import ConfigError
+
 
 class TrainingHalted(RuntimeError):
     """The run stopped on purpose (non-finite values, too many skipped steps); the message says why."""
@@ -150,6 +152,23 @@ def out_of_memory_report(model: torch.nn.Module, optimizer, device: torch.device
                  "and states), a smaller data.micro_batch_size (the global batch stays, by accumulation), or more "
                  "ranks (FSDP shards weights, gradients and states)")
     return "\n".join(lines)
+
+
+def check_state_fits(n_params: int, world: int, param_dtype: str, device_bytes: int | None) -> None:
+    """Refuse, before anything is allocated, a run whose weights, gradients and AdamW states alone
+    exceed the device (per rank: FSDP shards all three over the ranks). A lower bound: activations
+    come on top, so passing this check does not promise that the run fits."""
+    if device_bytes is None:
+        return
+    per_param = 16 if param_dtype == "fp32" else 8  # weights, gradients, two AdamW moments
+    need = n_params / world * per_param
+    if need > 0.95 * device_bytes:
+        gb = 2**30
+        raise ConfigError(f"{n_params / 1e9:.2f} B parameters on {world} rank(s) need {need / gb:.1f} GB per rank for "
+                          f"weights, gradients and AdamW states alone ({per_param} bytes per parameter with "
+                          f"train.param_dtype = {param_dtype}), more than the device's {device_bytes / gb:.1f} GB: "
+                          "use more ranks (torchrun; FSDP shards all three), train.param_dtype=bf16 (8 bytes per "
+                          "parameter), or a smaller model")
 
 
 class Preemption:

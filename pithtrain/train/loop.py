@@ -29,8 +29,8 @@ from pithtrain.parallel.context import block_positions, shard_sequence
 from pithtrain.parallel.fsdp import build_parallel
 from pithtrain.parallel.mesh import Mesh, init_distributed, plan_layout, world_size
 from pithtrain.train import checkpoint
-from pithtrain.train.guard import (Preemption, StepGuard, TrainingHalted, first_nonfinite_module, inject_failure,
-                                   injected, out_of_memory_report)
+from pithtrain.train.guard import (Preemption, StepGuard, TrainingHalted, check_state_fits, first_nonfinite_module,
+                                   inject_failure, injected, out_of_memory_report)
 from pithtrain.train.data import (GlobalBatchSampler, PackedDataset, batch_tensors, document_ids, tokenizer_fingerprint,
                                   validation_batches)
 from pithtrain.train.log import QuietLog, RunLog, peak_memory_gb, plot_losses
@@ -81,6 +81,11 @@ def build_for_training(cfg: RunConfig, device: torch.device, mesh: Mesh | None =
             cast_parameters(model, torch.bfloat16)
         return model
 
+    if device.type == "cuda":
+        with torch.device("meta"):
+            n_params = sum(p.numel() for p in build().parameters())
+        check_state_fits(n_params, mesh.layout.world if mesh is not None else 1, t.param_dtype,
+                         torch.cuda.get_device_properties(device).total_memory)
     if mesh is not None:  # sharded: bf16 parameters under FSDP on the GPU, fp32 on the CPU
         model = build_parallel(build, mesh, t.seed, amp if device.type == "cuda" else None)
     else:
