@@ -11,25 +11,16 @@ FLOPs: 4 * B * H * S^2 / 2 * D forward, 2.5x that for forward + backward).
 
 import argparse
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
 
+from single_gpu import time_steps  # benchmarks/ is the script's directory, on sys.path
+
 
 def timed(fn, warmup: int = 3, reps: int = 10) -> float:
-    """Median seconds of `fn` over `reps` runs (CUDA events)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1000)
-    return statistics.median(times)
+    """Median seconds of `fn` over `reps` runs (CUDA events), as single_gpu.py times steps."""
+    return time_steps(fn, warmup, reps)
 
 
 def ceilings() -> dict:
