@@ -57,4 +57,5 @@ if rank == 0:
     with open(sys.argv[1], "w") as f:
         json.dump({"send_splits": plan.send_splits, "recv_splits": plan.recv_splits,
                    "counted": expert.dispatch_rows(ids, E, world)}, f)
+dist.barrier()  # both ranks tear down together: a rank leaving early once made the other abort in gloo's teardown
 dist.destroy_process_group()
