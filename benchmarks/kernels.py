@@ -85,6 +85,52 @@ def grouped_mm_bench(tokens: int, hidden: int, experts: int, k: int, width: int)
     return out
 
 
+def adamw_bench(dtype: torch.dtype, layers: int = 1) -> dict:
+    """One AdamW step over the Qwen3 proxy's largest tensors (embedding, head, `layers` layers of
+    experts): ours (`train/optim.AdamW`, one Triton kernel per parameter) and torch's fused
+    multi-tensor kernel. Bytes: weight, gradient and both moments read, weight and moments written."""
+    from pithtrain.train.optim import AdamW
+
+    shapes = [(151936, 2048)] * 2 + [(128, 1536, 2048), (128, 2048, 768)] * layers
+    out = {}
+    for name, cls, kw in [("ours", AdamW, {}), ("torch_fused", torch.optim.AdamW, {"fused": True})]:
+        ps = [torch.nn.Parameter(torch.randn(s, device="cuda", dtype=dtype)) for s in shapes]
+        for q in ps:
+            q.grad = torch.randn_like(q)
+        opt = cls(ps, lr=1e-4, weight_decay=0.1, **kw)
+        n = sum(q.numel() for q in ps)
+        out[name + "_GBps"] = gbps(7 * n * ps[0].element_size(), opt.step)
+        del opt, ps
+    return out
+
+
+def sweep() -> dict:
+    """GB/s of each memory-bound kernel under several tiles (programs' rows x columns, warps), to
+    choose the defaults in ops/swiglu.py, ops/permute.py and ops/adamw.py for this GPU."""
+    from pithtrain.ops import adamw, permute, swiglu
+
+    res = {}
+    base = dict(swiglu.TILE)
+    for rows, block, warps in [(1, 1024, 4), (1, 1024, 8), (1, 256, 2), (2, 256, 4), (4, 256, 4), (8, 256, 8),
+                               (2, 512, 4), (4, 512, 8), (2, 1024, 8), (1, 512, 4), (8, 128, 4), (16, 128, 8)]:
+        swiglu.TILE.update(rows=rows, block=block, warps=warps)
+        r = swiglu_bench(65536, 768)
+        res[f"swiglu r{rows} b{block} w{warps}"] = {k: round(v) for k, v in r.items() if "eager" not in k}
+    swiglu.TILE.update(base)
+    base = dict(permute.TILE)
+    for block, warps in [(1024, 4), (1024, 8), (2048, 4), (2048, 8), (512, 4), (512, 2), (256, 2), (2048, 16)]:
+        permute.TILE.update(block=block, warps=warps)
+        r = permute_bench(8192, 2048, 128, 8)
+        res[f"permute b{block} w{warps}"] = {k: round(v) for k, v in r.items() if "eager" not in k}
+    permute.TILE.update(base)
+    base = adamw.BLOCK, adamw.WARPS
+    for block, warps in [(1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)]:
+        adamw.BLOCK, adamw.WARPS = block, warps
+        res[f"adamw b{block} w{warps}"] = {k: round(v) for k, v in adamw_bench(torch.bfloat16).items()}
+    adamw.BLOCK, adamw.WARPS = base
+    return res
+
+
 def attention_bench(batch: int, seq: int, heads: int, kv_heads: int, dim: int) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -110,14 +156,21 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--json", default="")
+    p.add_argument("--sweep", action="store_true", help="only the tile sweep of the memory-bound kernels")
     args = p.parse_args()
     res = {"device": torch.cuda.get_device_name(), "ceilings": ceilings()}
+    if args.sweep:
+        res["sweep"] = sweep()
+        print(json.dumps(res, indent=1))
+        return
     res["swiglu"] = swiglu_bench(args.tokens * 8, 768)
     res["permute"] = permute_bench(args.tokens, 2048, 128, 8)
+    res["adamw_bf16"] = adamw_bench(torch.bfloat16)
+    res["adamw_fp32"] = adamw_bench(torch.float32)
     res["grouped_mm"] = grouped_mm_bench(args.tokens, 2048, 128, 8, 768)
     res["attention_qwen3"] = attention_bench(2, 4096, 32, 4, 128)
     c = res["ceilings"]
-    for group in ("swiglu", "permute"):
+    for group in ("swiglu", "permute", "adamw_bf16", "adamw_fp32"):
         for key, val in list(res[group].items()):
             res[group][key.replace("GBps", "of_copy")] = val / c["copy_GBps"]
     for key, val in list(res["grouped_mm"].items()):

@@ -5,6 +5,7 @@ import sys
 
 import torch
 
+from pithtrain.ops import adamw as aw
 from pithtrain.ops import cross_entropy as ce
 from pithtrain.ops import expert_bias as eb
 from pithtrain.ops import permute as pm
@@ -27,13 +28,16 @@ def check_swiglu(device: str) -> None:
     assert sw.use_triton(torch.empty(1, 2, device=device)), "the Triton path is not taken"
     gen = torch.Generator(device).manual_seed(0)
     shapes = [(37, 2 * 100), (1, 2 * 3), (0, 2 * 8), (300, 2 * 1536)] if device == "cuda" else [(37, 200), (1, 6), (0, 16)]
-    for dtype in ([torch.float32, torch.bfloat16] if device == "cuda" else [torch.float32]):
+    tiles = [dict(sw.TILE), {"rows": 4, "block": 64, "warps": 2}]  # the tuned tile and a ragged small one
+    for tile, dtype in [(t, d) for t in tiles for d in ([torch.float32, torch.bfloat16] if device == "cuda" else [torch.float32])]:
+        sw.TILE.update(tile)
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         for rows, cols in shapes:
             x = (torch.randn(rows, cols, device=device, generator=gen) * 3).to(dtype)
             _compare(sw.swiglu, sw.swiglu_reference, x, tol)
             _compare(lambda t: sw.clamped_swiglu(t, 1.702, 2.0),
                      lambda t: sw.clamped_swiglu_reference(t, 1.702, 2.0), x, tol)
+    sw.TILE.update(tiles[0])
     x = torch.tensor([[2.0, 2.0, -2.0, -2.0, 2.5, 3.0]], device=device)  # clamps at and past the limits
     _compare(lambda t: sw.clamped_swiglu(t, 1.702, 2.0), lambda t: sw.clamped_swiglu_reference(t, 1.702, 2.0), x, 1e-6)
 
@@ -116,7 +120,51 @@ def check_expert_bias(device: str) -> None:
                     assert dbias[e].abs().sum() == 0
 
 
+def check_adamw(device: str) -> None:
+    """The kernel against its twin (ragged sizes, bf16 states on CUDA), then the optimizer against
+    torch.optim.AdamW over several steps: same numbers, same state format."""
+    from pithtrain.train.optim import AdamW
+
+    assert aw.use_triton_adamw(torch.empty(1, device=device)), "the Triton path is not taken"
+    gen = torch.Generator(device).manual_seed(3)
+    sizes = [1, 4097, 0, 3 * aw.BLOCK + 5] + ([1 << 22] if device == "cuda" else [])
+    for dtype in ([torch.float32, torch.bfloat16] if device == "cuda" else [torch.float32]):
+        for n in sizes:
+            p, g, m = (torch.randn(n, device=device, generator=gen).to(dtype) for _ in range(3))
+            v = torch.rand(n, device=device, generator=gen).to(dtype)
+            step = torch.tensor(7.0, device=device)
+            want = [t.clone() for t in (p, g, m, v)]
+            aw.adamw_update(p, g, m, v, step, 1e-2, 0.9, 0.95, 1e-8, 0.1)
+            aw.adamw_reference(*want, step, 1e-2, 0.9, 0.95, 1e-8, 0.1)
+            for got, ref in zip((p, m, v), (want[0], want[2], want[3])):
+                tol = 1e-6 if dtype == torch.float32 else 1e-2
+                assert ((got.float() - ref.float()).norm() <= tol * ref.float().norm() + 1e-12), (n, dtype)
+
+    def params():
+        g = torch.Generator(device).manual_seed(4)
+        return [torch.nn.Parameter(torch.randn(*s, device=device, generator=g)) for s in [(33, 17), (5000,), (3,)]]
+
+    def groups(ps):
+        return [{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "weight_decay": 0.0}]
+
+    ours, ref = params(), params()
+    kw = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    opts = [AdamW(groups(ours), **kw), torch.optim.AdamW(groups(ref), **kw)]
+    for it in range(5):
+        for ps, opt in zip((ours, ref), opts):
+            g = torch.Generator(device).manual_seed(10 + it)
+            for p in ps:
+                p.grad = torch.randn(p.shape, device=device, generator=g)
+            opt.step()
+    for a, b in zip(ours, ref):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a - b).abs().max()
+    s0, s1 = opts[0].state_dict()["state"], opts[1].state_dict()["state"]
+    assert s0.keys() == s1.keys() and all(s0[k].keys() == s1[k].keys() for k in s0)
+    assert all(float(s0[k]["step"]) == float(s1[k]["step"]) == 5 for k in s0)
+
+
 def run_all(device: str) -> None:
+    check_adamw(device)
     check_expert_bias(device)
     check_swiglu(device)
     check_permute(device)

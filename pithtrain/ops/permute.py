@@ -107,7 +107,7 @@ if triton is not None:
         tl.store(dw_ptr + pair, tl.sum(r * d, axis=0) * (p < M).to(tl.float32))
 
 
-_BLOCK = 1024
+TILE = {"block": 2048, "warps": 4}  # columns per program, warps: the best of 8 in benchmarks/kernels.py --sweep (H200)
 
 
 def gather_rows(src, order, k, scale=None):
@@ -117,8 +117,9 @@ def gather_rows(src, order, k, scale=None):
     H = src.shape[1]
     dst = src.new_empty(order.shape[0], H)
     if order.shape[0]:
-        _gather_rows_kernel[(order.shape[0], triton.cdiv(H, _BLOCK))](
-            src, order, scale if scale is not None else order, dst, H, K=k, SCALE=scale is not None, BLOCK=_BLOCK)
+        _gather_rows_kernel[(order.shape[0], triton.cdiv(H, TILE["block"]))](
+            src, order, scale if scale is not None else order, dst, H, K=k, SCALE=scale is not None,
+            BLOCK=TILE["block"], num_warps=TILE["warps"])
     return dst
 
 
@@ -129,9 +130,9 @@ def sum_slots(rows, pos, k, weights=None):
     H, N = rows.shape[1], pos.shape[0] // k
     out = rows.new_empty(N, H)
     if N:
-        _sum_slots_kernel[(N, triton.cdiv(H, _BLOCK))](rows, pos, weights.contiguous() if weights is not None else pos,
-                                                       out, rows.shape[0], H, K=k, WEIGHTED=weights is not None,
-                                                       BLOCK=_BLOCK)
+        _sum_slots_kernel[(N, triton.cdiv(H, TILE["block"]))](
+            rows, pos, weights.contiguous() if weights is not None else pos, out, rows.shape[0], H, K=k,
+            WEIGHTED=weights is not None, BLOCK=TILE["block"], num_warps=TILE["warps"])
     return out
 
 

@@ -35,22 +35,36 @@ def clamped_swiglu_reference(x: torch.Tensor, alpha: float, limit: float) -> tor
 if triton is not None:
 
     @triton.jit
-    def _load_gate_up(x_ptr, row, cols, mask, width, INTERLEAVED: tl.constexpr):
+    def _pairs(n_rows, width, row, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        """Interleaved layout: the tile's 2 * BLOCK contiguous columns [g0, u0, g1, u1, ...] and mask."""
+        pair = tl.program_id(1) * 2 * BLOCK + tl.arange(0, 2 * BLOCK)[None, :]
+        return pair, (row < n_rows) & (pair < 2 * width)
+
+    @triton.jit
+    def _load_gate_up(x_ptr, n_rows, row, cols, mask, width, INTERLEAVED: tl.constexpr, ROWS: tl.constexpr,
+                      BLOCK: tl.constexpr):
         base = x_ptr + row * 2 * width
-        if INTERLEAVED:
-            g = tl.load(base + 2 * cols, mask=mask).to(tl.float32)
-            u = tl.load(base + 2 * cols + 1, mask=mask).to(tl.float32)
+        if INTERLEAVED:  # one contiguous load, split in registers (two strided loads waste half of each)
+            pair, pmask = _pairs(n_rows, width, row, ROWS, BLOCK)
+            x = tl.load(base + pair, mask=pmask, other=0.0).to(tl.float32)
+            g, u = tl.split(tl.reshape(x, [ROWS, BLOCK, 2]))
         else:
             g = tl.load(base + cols, mask=mask).to(tl.float32)
             u = tl.load(base + width + cols, mask=mask).to(tl.float32)
         return g, u
 
     @triton.jit
-    def _gated_forward(x_ptr, out_ptr, width, alpha, beta, limit, INTERLEAVED: tl.constexpr,
-                       CLAMP: tl.constexpr, BLOCK: tl.constexpr):
-        row, cols = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < width
-        g, u = _load_gate_up(x_ptr, row, cols, mask, width, INTERLEAVED)
+    def _tile(n_rows, width, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        """[ROWS, 1] row and [1, BLOCK] column indices of this program's tile, and their mask."""
+        row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
+        return row, cols, (row < n_rows) & (cols < width)
+
+    @triton.jit
+    def _gated_forward(x_ptr, out_ptr, n_rows, width, alpha, beta, limit, INTERLEAVED: tl.constexpr,
+                       CLAMP: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        row, cols, mask = _tile(n_rows, width, ROWS, BLOCK)
+        g, u = _load_gate_up(x_ptr, n_rows, row, cols, mask, width, INTERLEAVED, ROWS, BLOCK)
         if CLAMP:
             g = tl.minimum(g, limit)
             u = tl.minimum(tl.maximum(u, -limit), limit)
@@ -58,11 +72,10 @@ if triton is not None:
         tl.store(out_ptr + row * width + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _gated_backward(x_ptr, dout_ptr, dx_ptr, width, alpha, beta, limit, INTERLEAVED: tl.constexpr,
-                        CLAMP: tl.constexpr, BLOCK: tl.constexpr):
-        row, cols = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < width
-        g, u = _load_gate_up(x_ptr, row, cols, mask, width, INTERLEAVED)
+    def _gated_backward(x_ptr, dout_ptr, dx_ptr, n_rows, width, alpha, beta, limit, INTERLEAVED: tl.constexpr,
+                        CLAMP: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        row, cols, mask = _tile(n_rows, width, ROWS, BLOCK)
+        g, u = _load_gate_up(x_ptr, n_rows, row, cols, mask, width, INTERLEAVED, ROWS, BLOCK)
         dout = tl.load(dout_ptr + row * width + cols, mask=mask).to(tl.float32)
         g_pass, u_pass = 1.0, 1.0
         if CLAMP:  # the gradient passes where the clamp did not bite (boundaries included, as in torch)
@@ -75,14 +88,18 @@ if triton is not None:
         du = dout * g * s * u_pass
         base = dx_ptr + row * 2 * width
         if INTERLEAVED:
-            tl.store(base + 2 * cols, dg.to(dx_ptr.dtype.element_ty), mask=mask)
-            tl.store(base + 2 * cols + 1, du.to(dx_ptr.dtype.element_ty), mask=mask)
+            pair, pmask = _pairs(n_rows, width, row, ROWS, BLOCK)
+            tl.store(base + pair, tl.interleave(dg, du).to(dx_ptr.dtype.element_ty), mask=pmask)
         else:
             tl.store(base + cols, dg.to(dx_ptr.dtype.element_ty), mask=mask)
             tl.store(base + width + cols, du.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-_BLOCK = 1024
+TILE = {"rows": 1, "block": 1024, "warps": 4}  # per program; no other of 12 tiles was faster (kernels.py --sweep)
+
+
+def _grid(rows: int, width: int):
+    return (triton.cdiv(rows, TILE["rows"]), triton.cdiv(width, TILE["block"]))
 
 
 class _Gated(torch.autograd.Function):
@@ -92,10 +109,10 @@ class _Gated(torch.autograd.Function):
         rows, width = x.shape[0], x.shape[1] // 2
         out = x.new_empty(rows, width)
         clamp = limit is not None
-        grid = (rows, triton.cdiv(width, _BLOCK))
         if rows:
-            _gated_forward[grid](x, out, width, alpha, beta, limit if clamp else 0.0, INTERLEAVED=interleaved,
-                                 CLAMP=clamp, BLOCK=_BLOCK)
+            _gated_forward[_grid(rows, width)](x, out, rows, width, alpha, beta, limit if clamp else 0.0,
+                                               INTERLEAVED=interleaved, CLAMP=clamp, ROWS=TILE["rows"],
+                                               BLOCK=TILE["block"], num_warps=TILE["warps"])
         ctx.save_for_backward(x)
         ctx.args = (alpha, beta, limit, interleaved)
         return out
@@ -108,9 +125,9 @@ class _Gated(torch.autograd.Function):
         dx = torch.empty_like(x)
         clamp = limit is not None
         if rows:
-            _gated_backward[(rows, triton.cdiv(width, _BLOCK))](x, dout.contiguous(), dx, width, alpha, beta,
-                                                               limit if clamp else 0.0, INTERLEAVED=interleaved,
-                                                               CLAMP=clamp, BLOCK=_BLOCK)
+            _gated_backward[_grid(rows, width)](x, dout.contiguous(), dx, rows, width, alpha, beta,
+                                                limit if clamp else 0.0, INTERLEAVED=interleaved, CLAMP=clamp,
+                                                ROWS=TILE["rows"], BLOCK=TILE["block"], num_warps=TILE["warps"])
         return dx, None, None, None, None
 
 

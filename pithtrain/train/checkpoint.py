@@ -51,6 +51,9 @@ class CheckpointError(RuntimeError):
     """A checkpoint that is missing, incomplete or corrupt; the message names its path."""
 
 
+WRITE_THREADS = 8
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -146,8 +149,8 @@ def save(root: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Op
         os.makedirs(tmp)
     _barrier()
     state, _ = _global_experts(dict(zip(("model", "optim"), get_state_dict(model, optimizer))), model)
-    with quiet():
-        dcp.save(state, checkpoint_id=tmp)
+    with quiet():  # several files per rank, written by as many threads (and checksummed in parallel)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, thread_count=WRITE_THREADS))
     fault_point("save-after-tensors", step)
     rng_path = os.path.join(tmp, f"rng-rank{_rank()}.pt")
     torch.save(rng_state(), rng_path)

@@ -8,16 +8,51 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from pithtrain.config import OptimConfig
+from pithtrain.ops.adamw import adamw_update, use_triton_adamw
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class AdamW(torch.optim.AdamW):
+    """torch.optim.AdamW (same hyperparameters, same state, so the same checkpoints), whose step on
+    CUDA runs `ops/adamw.py`'s kernel once per parameter, on the local shard of an FSDP parameter.
+    Options the kernel does not cover (amsgrad, maximize, ...) and CPU take torch's own step."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        groups = [g for g in self.param_groups if any(p.grad is not None for p in g["params"])]
+        if not groups or not all(use_triton_adamw(_local(p)) and not (g["amsgrad"] or g["maximize"])
+                                 for g in groups for p in g["params"]) or closure is not None:
+            return super().step(closure)
+        for group in groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                elif state["step"].device != _local(p).device:
+                    state["step"] = state["step"].to(_local(p).device, torch.float32)
+            torch._foreach_add_([self.state[p]["step"] for p in params], 1.0)
+            beta1, beta2 = group["betas"]
+            for p in params:
+                s = self.state[p]
+                adamw_update(_local(p), _local(p.grad), _local(s["exp_avg"]), _local(s["exp_avg_sq"]), s["step"],
+                             float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"])
+        return None
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> AdamW:
     """Parameters of two or more dimensions (projections, experts, embeddings) get weight decay;
     norms and biases do not."""
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     fused = all(p.is_cuda for p in decay + no_decay)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None)
+    return AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None)
 
 
 def lr_at(step: int, total: int, cfg: OptimConfig) -> float:
