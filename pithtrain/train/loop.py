@@ -28,8 +28,9 @@ from pithtrain.models import build_model
 from pithtrain.parallel.context import block_positions, shard_sequence
 from pithtrain.parallel.fsdp import build_parallel
 from pithtrain.parallel.mesh import Mesh, init_distributed, plan_layout, world_size
+from pithtrain.tools.memory import check_fits, estimate_for_run
 from pithtrain.train import checkpoint
-from pithtrain.train.guard import (Preemption, StepGuard, TrainingHalted, check_state_fits, first_nonfinite_module,
+from pithtrain.train.guard import (Preemption, StepGuard, TrainingHalted, first_nonfinite_module,
                                    inject_failure, injected, out_of_memory_report)
 from pithtrain.train.data import (GlobalBatchSampler, PackedDataset, batch_tensors, document_ids, tokenizer_fingerprint,
                                   validation_batches)
@@ -81,11 +82,6 @@ def build_for_training(cfg: RunConfig, device: torch.device, mesh: Mesh | None =
             cast_parameters(model, torch.bfloat16)
         return model
 
-    if device.type == "cuda":
-        with torch.device("meta"):
-            n_params = sum(p.numel() for p in build().parameters())
-        check_state_fits(n_params, mesh.layout.world if mesh is not None else 1, t.param_dtype,
-                         torch.cuda.get_device_properties(device).total_memory)
     if mesh is not None:  # sharded: bf16 parameters under FSDP on the GPU, fp32 on the CPU
         model = build_parallel(build, mesh, t.seed, amp if device.type == "cuda" else None)
     else:
@@ -266,6 +262,9 @@ def train(cfg: RunConfig) -> dict:
     device = mesh.device if mesh is not None else device
     rank0 = mesh is None or mesh.rank == 0
     val_batches = [rank_batches(val_ds, idx, d.micro_batch_size, mesh, d.document_mask) for idx in val_idx]
+    memory = estimate_for_run(cfg, layout.world, layout.cp, amp is not None)
+    if device.type == "cuda":  # before anything is allocated
+        check_fits(memory, torch.cuda.get_device_properties(device).total_memory, layout.world)
     model = build_for_training(cfg, device, mesh, amp)
     optimizer = build_optimizer(model, cfg.optim)
 
@@ -329,7 +328,7 @@ def train(cfg: RunConfig) -> dict:
             preemption.uninstall()
             log.close()
             if isinstance(e, torch.OutOfMemoryError):
-                raise TrainingHalted(out_of_memory_report(model, optimizer, device, e)) from e
+                raise TrainingHalted(out_of_memory_report(model, optimizer, device, e, memory)) from e
             if mesh is not None and isinstance(e, RuntimeError) and "timed out" in str(e).lower():
                 raise TrainingHalted(
                     f"rank {mesh.rank}, step {done}: a collective waited longer than parallel.timeout_s = "

@@ -1,0 +1,141 @@
+"""Memory estimator: the bytes one rank needs for a training step, before anything is allocated.
+
+`estimate` reads the model's shapes from the modules (build it on the meta device: nothing is
+allocated) and adds, per rank:
+- weights, gradients and AdamW's two moments: 4 bytes each per parameter in fp32, 2 in bf16
+  (`train.param_dtype`), over the `world` ranks that FSDP shards them across;
+- compute copies of the weights: in one process under bf16 autocast with fp32 weights, every
+  matrix is used as a bf16 copy that backward keeps (2 bytes per parameter of the layers and the
+  head); with several ranks, FSDP's all-gathered bf16 copy of the two largest layers (the one
+  computing, the one prefetched);
+- activations kept for backward, per token of this rank's micro-batch and per layer, what the
+  GPU path saves (compiled dense parts, Triton SwiGLU / permutation, FlexAttention or cuDNN
+  attention keeping its output and log-sum-exp): layer input and normed input, q / k / v, the
+  attention output, the residual and its norm; for experts each token's k routed rows before and
+  after the gate/up projection, after SwiGLU and after the down projection; router scores in fp32.
+  `train.recompute` keeps only the layer's input (attention) or the routed rows (experts), and
+  one layer's full set exists again while it is recomputed;
+- the head: its fused cross-entropy keeps the input gradient and an fp32 weight gradient from the
+  forward, and one chunk of logits at a time.
+
+Gradients are counted whole next to all activations, as they are from the second micro-batch of
+an accumulated step on. Measured against the H200's peak (`tests/test_gpu.py`, and the 4-layer
+proxies of docs/performance.md): 4-10% low on the proxies at 8192 tokens, 10-15% high on 2-layer
+cuts at 4096 tokens (where whole gradients weigh more than the unaccounted temporaries and
+allocator workspace). `check_fits` refuses a run whose estimate exceeds the device, so a run
+within ~15% of fitting can be refused or can fail at its first step.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pithtrain.config import ConfigError
+
+GB = 2**30
+
+
+@dataclass
+class MemoryEstimate:
+    weights: float
+    gradients: float
+    optimizer: float
+    compute_copies: float
+    activations: float
+    head: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.compute_copies + self.activations + self.head
+
+    def lines(self) -> list[str]:
+        parts = ", ".join(f"{name.replace('_', ' ')} {getattr(self, name) / GB:.2f} GB" for name in
+                          ("weights", "gradients", "optimizer", "compute_copies", "activations", "head"))
+        return [f"estimated peak {self.total / GB:.2f} GB per rank: {parts}"]
+
+
+def _attention_bytes(attn: nn.Module, a: int) -> float:
+    """Per token: q, k, v and the output (and q/k before their norms, the sink-free output), LSE."""
+    from pithtrain.layers.attention import GQAttention
+
+    h = attn.heads
+    if isinstance(attn, GQAttention):
+        q, kv = h * attn.head_dim, attn.kv_heads * attn.head_dim
+        n = q + 2 * kv + q + (q + kv if attn.q_norm is not None else 0) + (q if attn.sinks is not None else 0)
+    else:  # MLA: the low-rank latents and their norms, then full-head q, k, v
+        qk = attn.nope_dim + attn.rope_dim
+        n = 2 * attn.kv_lora_rank + attn.rope_dim + 2 * h * qk + 2 * h * attn.v_dim
+        if attn.q_lora:
+            n += 2 * attn.q_a_proj.out_features
+    return n * a + 4 * h
+
+
+def _mlp_bytes(mlp: nn.Module, a: int) -> float:
+    """A dense SwiGLU MLP per token: gate and up outputs and their product."""
+    return 3 * mlp.gate_proj.out_features * a
+
+
+def layer_activation_bytes(layer: nn.Module, a: int, recompute_attention: bool, recompute_experts: bool) -> float:
+    """Bytes per token that one decoder layer keeps for backward (activations of `a` bytes)."""
+    hidden = layer.input_layernorm.weight.shape[0]
+    attn = 2 * hidden * a if recompute_attention else 4 * hidden * a + _attention_bytes(layer.self_attn, a)
+    if not layer.is_moe:
+        return attn + _mlp_bytes(layer.mlp, a)
+    moe = layer.mlp
+    k, width = moe.top_k, moe.experts.intermediate
+    experts = k * hidden * a if recompute_experts else k * (2 * hidden + 3 * width) * a
+    shared = _mlp_bytes(moe.shared_experts, a) if moe.shared_experts is not None else 0
+    return attn + experts + shared + 8 * moe.num_experts
+
+
+def estimate(model: nn.Module, *, tokens: int, param_dtype: str = "fp32", autocast: bool = True,
+             world: int = 1, recompute: str = "none", ce_chunk: int = 2048) -> MemoryEstimate:
+    """Per-rank estimate for `model` (meta device is enough) with `tokens` per micro-batch on this
+    rank (micro_batch_size * seq_len / cp), parameters sharded over `world` ranks."""
+    state = 4 if param_dtype == "fp32" else 2
+    a = 2 if (autocast or param_dtype == "bf16") else 4
+    n = sum(p.numel() for p in model.parameters())
+    layers = list(model.model.layers.values())
+    head = model.lm_head.weight
+    matrices = sum(p.numel() for layer in layers for p in layer.parameters() if p.ndim >= 2) + head.numel()
+    if world > 1:  # FSDP gathers a layer's weights in bf16 and frees them after use
+        sizes = sorted((sum(p.numel() for p in layer.parameters()) for layer in layers), reverse=True)
+        copies = 2 * sum(sizes[:2])
+    else:  # autocast's bf16 copies of fp32 matrices live until backward has used them
+        copies = matrices * 2 if (state == 4 and a == 2) else 0
+    ra, rx = recompute in ("attention", "both"), recompute in ("experts", "both")
+    kept = [layer_activation_bytes(layer, a, ra, rx) for layer in layers]
+    full = [layer_activation_bytes(layer, a, False, False) for layer in layers]
+    acts = tokens * (sum(kept) + max(f - k for f, k in zip(full, kept)))  # + the layer being recomputed
+    hidden = head.shape[1]
+    head_bytes = 4 * head.numel() + tokens * hidden * 3 * a + min(ce_chunk, tokens) * head.shape[0] * a
+    return MemoryEstimate(weights=n * state / world, gradients=n * state / world, optimizer=2 * n * state / world,
+                          compute_copies=copies, activations=acts, head=head_bytes)
+
+
+def estimate_for_run(cfg, world: int = 1, cp: int = 1, autocast: bool = True) -> MemoryEstimate:
+    """`estimate` for a RunConfig on `world` ranks with context parallel `cp`: the model built on
+    the meta device (nothing allocated), this rank's share of a micro-batch."""
+    from pithtrain.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(cfg.model.hf)
+    t, d = cfg.train, cfg.data
+    return estimate(model, tokens=d.micro_batch_size * d.seq_len // cp, param_dtype=t.param_dtype,
+                    autocast=autocast, world=world, recompute=t.recompute)
+
+
+def check_fits(est: MemoryEstimate, device_bytes: int | None, world: int = 1) -> None:
+    """Refuse, before anything is allocated, a run whose estimated peak exceeds the device."""
+    if device_bytes is None or est.total <= device_bytes:
+        return
+    states = est.weights + est.gradients + est.optimizer
+    if states > 0.8 * device_bytes:
+        change = ("more ranks (torchrun; FSDP shards weights, gradients and AdamW states), train.param_dtype=bf16 "
+                  "(half of each), or a smaller model")
+    else:
+        change = ("train.recompute=both (activations), a smaller data.micro_batch_size (the global batch stays, "
+                  "by accumulation), or more ranks")
+    raise ConfigError(f"this run does not fit on {world} rank(s): {est.lines()[0]}; the device has "
+                      f"{device_bytes / GB:.1f} GB. To fit: {change}")

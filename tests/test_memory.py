@@ -1,0 +1,54 @@
+"""The memory estimator (pithtrain/tools/memory.py): the parts that can be counted exactly are
+counted against real tensors; activations against the GPU peak in test_gpu.py."""
+
+import pytest
+import torch
+from test_hf_parity import CASES
+
+from pithtrain.layers.transformer import cast_parameters, init_weights
+from pithtrain.models import build_model
+from pithtrain.tools.memory import estimate
+from pithtrain.train.optim import build_optimizer
+from pithtrain.config import OptimConfig
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize("case", ["qwen3", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_states_are_counted_exactly(case, dtype):
+    """Weights, gradients and AdamW moments of the estimate equal the bytes of the tensors a step
+    leaves behind, for each family and both parameter dtypes; the meta-device model gives the
+    same estimate as the real one."""
+    cfg = dict(CASES[case], vocab_size=512)
+    model = build_model(cfg)
+    init_weights(model, 0)
+    if dtype == "bf16":
+        cast_parameters(model, torch.bfloat16)
+    opt = build_optimizer(model, OptimConfig())
+    model(torch.randint(0, 512, (2, 16)), labels=torch.randint(0, 512, (2, 16))).backward()
+    opt.step()
+    est = estimate(model, tokens=32, param_dtype=dtype, autocast=False)
+    assert est.weights == _bytes(model.parameters())
+    assert est.gradients == _bytes(p.grad for p in model.parameters())
+    assert est.optimizer == _bytes(t for st in opt.state.values() for k, t in st.items() if k != "step")
+    with torch.device("meta"):
+        meta = build_model(cfg)
+    assert estimate(meta, tokens=32, param_dtype=dtype, autocast=False) == est
+
+
+def test_activations_scale_with_tokens_and_shrink_under_recompute():
+    cfg = dict(CASES["deepseek_v3"], vocab_size=512)  # dense and MoE layers, MLA, shared experts
+    with torch.device("meta"):
+        model = build_model(cfg)
+    a, b = (estimate(model, tokens=t, param_dtype="bf16") for t in (1024, 4096))
+    assert b.activations == pytest.approx(4 * a.activations) and b.weights == a.weights
+    sizes = [estimate(model, tokens=4096, param_dtype="bf16", recompute=r).activations
+             for r in ("none", "attention", "experts", "both")]
+    assert sizes[0] > sizes[1] > sizes[3] and sizes[0] > sizes[2] > sizes[3]
+    fp32 = estimate(model, tokens=4096, param_dtype="fp32", autocast=True)
+    assert fp32.compute_copies > 0 and fp32.activations == sizes[0]  # bf16 copies of fp32 matrices
+    sharded = estimate(model, tokens=4096, param_dtype="fp32", autocast=True, world=4)
+    assert sharded.weights == fp32.weights / 4 and sharded.compute_copies < fp32.compute_copies
