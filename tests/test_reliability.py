@@ -158,8 +158,8 @@ def _group_alive(pgid: int) -> bool:
 def test_a_failing_rank_ends_the_whole_job(tiny_corpus, tmp_path, fault):
     """4 ranks (dp2 x ep2) under torchrun; rank 2 raises, is SIGKILLed, or stops participating at
     step 3. Every process is gone within 60 s of step 2's record, the job exits non-zero, and the
-    output names the rank and the cause (the traceback for `raise`, the collective timeout for
-    `sleep`)."""
+    output names the rank and the cause (the traceback for `raise`, the collective timeout and
+    the rank that never reached it for `sleep`)."""
     toml = write_run(tmp_path, tiny_corpus, "device = \"cpu\"\n")
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "PITHTRAIN_FAULT": f"{fault}:3:2"}
@@ -195,6 +195,7 @@ def test_a_failing_rank_ends_the_whole_job(tiny_corpus, tmp_path, fault):
         assert re.search(r"rank      : 2 \(local_rank: 2\)\s+exitcode  : -9 .*SIGKILL", text), text[-3000:]
     if fault == "sleep":  # the others time out and say so; the hung rank is the one torchrun must SIGKILL
         assert "waited longer than parallel.timeout_s = 10 s" in text, text[-3000:]
+        assert "rank(s) 2 did not reach it" in text, text[-3000:]  # named by the ranks that timed out
         killed = [block for block in text.split("[") if "SIGKILL" in block and "rank      :" in block]
         assert killed and all("rank      : 2" in block for block in killed), text[-3000:]
     print(f"{fault}: all ranks gone {took:.1f} s after step 2's record")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import torch
 import torch.distributed as dist
@@ -155,6 +156,25 @@ def out_of_memory_report(model: torch.nn.Module, optimizer, device: torch.device
                  "and states), a smaller data.micro_batch_size (the global batch stays, by accumulation), or more "
                  "ranks (FSDP shards weights, gradients and states)")
     return "\n".join(lines)
+
+
+def silent_ranks(rank: int, world: int, wait_s: float = 5.0) -> list[int] | None:
+    """After a collective timed out on this rank: the ranks that did not also time out within
+    `wait_s`, i.e. the ones that never reached the collective (hung or dead). Each rank that times
+    out says so in the job's key-value store (torchrun's rendezvous store, reachable by every
+    node); None when there is no store to ask."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"pithtrain/timed-out/{rank}", "1")
+        keys = [f"pithtrain/timed-out/{r}" for r in range(world)]
+        deadline = time.monotonic() + wait_s
+        while True:
+            missing = [r for r, key in enumerate(keys) if not store.check([key])]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(0.2)
+    except Exception:  # no default store, or the store itself went away
+        return None
 
 
 class Preemption:

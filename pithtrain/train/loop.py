@@ -30,7 +30,7 @@ from pithtrain.parallel.fsdp import build_parallel
 from pithtrain.parallel.mesh import Mesh, init_distributed, plan_layout, world_size
 from pithtrain.tools.memory import check_fits, estimate_for_run
 from pithtrain.train import checkpoint
-from pithtrain.train.guard import (Preemption, StepGuard, TrainingHalted, first_nonfinite_module,
+from pithtrain.train.guard import (Preemption, StepGuard, TrainingHalted, first_nonfinite_module, silent_ranks,
                                    inject_failure, injected, out_of_memory_report)
 from pithtrain.train.data import (GlobalBatchSampler, PackedDataset, batch_tensors, document_ids, tokenizer_fingerprint,
                                   validation_batches)
@@ -330,10 +330,12 @@ def train(cfg: RunConfig) -> dict:
             if isinstance(e, torch.OutOfMemoryError):
                 raise TrainingHalted(out_of_memory_report(model, optimizer, device, e, memory)) from e
             if mesh is not None and isinstance(e, RuntimeError) and "timed out" in str(e).lower():
+                silent = silent_ranks(mesh.rank, layout.world, min(3.0, cfg.parallel.timeout_s / 4))
+                who = (f"rank(s) {', '.join(map(str, silent))} did not reach it (every other rank timed out "
+                       "waiting for them): they hung or died" if silent else "another rank hung or died")
                 raise TrainingHalted(
                     f"rank {mesh.rank}, step {done}: a collective waited longer than parallel.timeout_s = "
-                    f"{cfg.parallel.timeout_s:g} s, so another rank hung or died (its log says which); "
-                    f"{str(e).splitlines()[0][:200]}") from e
+                    f"{cfg.parallel.timeout_s:g} s; {who}; {str(e).splitlines()[0][:200]}") from e
             raise
         tokens_since += last["tokens"]
         is_last = done == end
