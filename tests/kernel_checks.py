@@ -163,8 +163,47 @@ def check_adamw(device: str) -> None:
     assert all(float(s0[k]["step"]) == float(s1[k]["step"]) == 5 for k in s0)
 
 
+def check_adamw_on_dtensors() -> None:
+    """FSDP's parameters are DTensors: the kernel runs on their local shards and matches
+    torch.optim.AdamW stepping the same DTensors (one gloo process, a 1-rank mesh)."""
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from pithtrain.train.optim import AdamW
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        gen = torch.Generator().manual_seed(5)
+        full = [torch.randn(40, 6, generator=gen), torch.randn(7, generator=gen)]
+        grads = [torch.randn_like(t) for t in full]
+        sets = []
+        for _ in range(2):
+            ps = [torch.nn.Parameter(distribute_tensor(t.clone(), mesh, [Shard(0)])) for t in full]
+            for p, g in zip(ps, grads):
+                p.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
+            sets.append(ps)
+        ours = AdamW(sets[0], lr=1e-2, weight_decay=0.1, foreach=False)
+        ref = torch.optim.AdamW(sets[1], lr=1e-2, weight_decay=0.1, foreach=False)
+        for _ in range(3):
+            ours.step(), ref.step()
+        for a, b in zip(*sets):
+            assert isinstance(a, DTensor) and isinstance(ours.state[a]["exp_avg"], DTensor)
+            assert torch.allclose(a.full_tensor(), b.full_tensor(), rtol=1e-5, atol=1e-6)
+    finally:
+        dist.destroy_process_group()
+
+
 def run_all(device: str) -> None:
     check_adamw(device)
+    if device == "cpu":
+        check_adamw_on_dtensors()
     check_expert_bias(device)
     check_swiglu(device)
     check_permute(device)
