@@ -6,6 +6,7 @@ import sys
 import torch
 
 from pithtrain.ops import adamw as aw
+from pithtrain.ops import use_triton
 from pithtrain.ops import cross_entropy as ce
 from pithtrain.ops import expert_bias as eb
 from pithtrain.ops import permute as pm
@@ -125,7 +126,7 @@ def check_adamw(device: str) -> None:
     torch.optim.AdamW over several steps: same numbers, same state format."""
     from pithtrain.train.optim import AdamW
 
-    assert aw.use_triton_adamw(torch.empty(1, device=device)), "the Triton path is not taken"
+    assert use_triton(torch.empty(1, device=device), ndim=None), "the Triton path is not taken"
     gen = torch.Generator(device).manual_seed(3)
     sizes = [1, 4097, 0, 3 * aw.BLOCK + 5] + ([1 << 22] if device == "cuda" else [])
     for dtype in ([torch.float32, torch.bfloat16] if device == "cuda" else [torch.float32]):

@@ -5,11 +5,11 @@ import pytest
 import torch
 from test_hf_parity import CASES
 
+from pithtrain.config import OptimConfig
 from pithtrain.layers.transformer import cast_parameters, init_weights
 from pithtrain.models import build_model
 from pithtrain.tools.memory import estimate
 from pithtrain.train.optim import build_optimizer
-from pithtrain.config import OptimConfig
 
 
 def _bytes(tensors) -> int:

@@ -14,6 +14,8 @@ except ImportError:  # CPU-only installs: the torch twins run
 KERNELS = os.environ.get("PITHTRAIN_KERNELS", "1") != "0"  # 0: the torch twins everywhere (for comparisons)
 
 
-def use_triton(x: torch.Tensor) -> bool:
-    """Whether the Triton kernels run for `x` (2-D tensors on CUDA, or anywhere when interpreting)."""
-    return KERNELS and triton is not None and x.dim() == 2 and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+def use_triton(x: torch.Tensor, ndim: int | None = 2) -> bool:
+    """Whether the Triton kernels run for `x` (of `ndim` dimensions, None: any; on CUDA, or anywhere
+    when interpreting)."""
+    return (KERNELS and triton is not None and (ndim is None or x.dim() == ndim)
+            and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"))

@@ -6,16 +6,15 @@ and the moments back: 14 bytes per element in bf16, 28 in fp32, and nothing to c
 memory-bound, so its time is its bandwidth: torch's multi-tensor `_fused_adamw_` reaches ~58% of
 the copy ceiling on the H200 (18 ms for 3.1 B bf16 parameters); this kernel streams each
 parameter once in wide blocks, with the bias corrections computed on the device from the step
-count (no host synchronisation, no step-dependent recompilation). `adamw_update_reference` is
-its torch twin. The optimizer that calls it is `AdamW` in `train/optim.py`.
+count (no host synchronisation, no step-dependent recompilation). `adamw_reference` is its
+torch twin. The optimizer that calls it is `AdamW` in `train/optim.py`.
 """
 
 import math
-import os
 
 import torch
 
-from pithtrain.ops import KERNELS, triton
+from pithtrain.ops import triton, use_triton
 
 if triton is not None:
     import triton.language as tl
@@ -33,10 +32,6 @@ def adamw_reference(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay) -> No
     bc1, bc2 = 1 - beta1 ** t, 1 - beta2 ** t
     pf = pf * (1 - lr * weight_decay) - (lr / bc1) * mf / (vf.sqrt() / bc2.sqrt() + eps)
     p.copy_(pf), m.copy_(mf), v.copy_(vf)
-
-
-def use_triton_adamw(p: torch.Tensor) -> bool:
-    return KERNELS and triton is not None and (p.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 if triton is not None:
@@ -68,7 +63,7 @@ def _log(beta: float) -> float:
 def adamw_update(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay) -> None:
     """`adamw_reference` as one kernel launch (contiguous tensors of one shape), the twin otherwise."""
     tensors = (p, g, m, v)
-    if not (use_triton_adamw(p) and all(t.is_contiguous() and t.shape == p.shape for t in tensors)):
+    if not (use_triton(p, ndim=None) and all(t.is_contiguous() and t.shape == p.shape for t in tensors)):
         return adamw_reference(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay)
     n = p.numel()
     if n:

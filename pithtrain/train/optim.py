@@ -8,7 +8,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from pithtrain.config import OptimConfig
-from pithtrain.ops.adamw import adamw_update, use_triton_adamw
+from pithtrain.ops import use_triton
+from pithtrain.ops.adamw import adamw_update
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -22,20 +23,19 @@ class AdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        groups = [g for g in self.param_groups if any(p.grad is not None for p in g["params"])]
-        if not groups or not all(use_triton_adamw(_local(p)) and not (g["amsgrad"] or g["maximize"])
-                                 for g in groups for p in g["params"]) or closure is not None:
+        groups = self.param_groups
+        if (closure is not None or any(g["amsgrad"] or g["maximize"] for g in groups)
+                or not all(use_triton(_local(p), ndim=None) for g in groups for p in g["params"])):
             return super().step(closure)
         for group in groups:
             params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
             for p in params:
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                elif state["step"].device != _local(p).device:
-                    state["step"] = state["step"].to(_local(p).device, torch.float32)
+                if not self.state[p]:  # as torch's fused AdamW: the step count on the parameter's device
+                    self.state[p].update(step=torch.zeros((), dtype=torch.float32, device=_local(p).device),
+                                         exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
+                                         exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
             torch._foreach_add_([self.state[p]["step"] for p in params], 1.0)
             beta1, beta2 = group["betas"]
             for p in params:
