@@ -19,6 +19,7 @@ attention and the window under a sliding window.
 import argparse
 import json
 import os
+import time
 import statistics
 
 import torch
@@ -71,18 +72,31 @@ def measure(step, args, tokens: int, fpt: float, ceiling: float) -> dict:
 
 
 def profile(step, out_dir: str) -> None:
-    """Two profiled steps: the CUDA kernel table (by total time) printed and saved, and a trace."""
+    """Two profiled steps: the CUDA kernel table (by total time) printed and saved, a trace, and the
+    GPU's busy time (the union of kernel intervals) against the wall time of the steps."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     os.makedirs(out_dir, exist_ok=True)
+    torch.cuda.synchronize()
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
         for _ in range(2):
             step()
         torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=90)
+        wall = time.perf_counter() - start
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=70, max_name_column_width=90)
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    summary = (f"per step: wall {wall / 2 * 1e3:.1f} ms (profiled), GPU busy {busy / 2e3:.1f} ms, "
+               f"{len(spans) // 2} kernels")
     with open(os.path.join(out_dir, "kernels.txt"), "w") as f:
-        f.write(table)
+        f.write(table + "\n" + summary + "\n")
     print(table)
+    print(summary)
     prof.export_chrome_trace(os.path.join(out_dir, "trace.json.gz"))
 
 
@@ -101,7 +115,12 @@ def main() -> None:
     p.add_argument("--weights", choices=["fp32", "bf16"], default="fp32",
                    help="ours with fp32 master weights under bf16 autocast (as pithtrain train runs), or bf16 weights "
                         "and AdamW states as the HF side")
+    p.add_argument("--ce-chunk", type=int, default=0, help="rows per chunk of the fused head + cross-entropy "
+                   "(default: ops/cross_entropy.CHUNK)")
     args = p.parse_args()
+    if args.ce_chunk:
+        from pithtrain.ops import cross_entropy
+        cross_entropy.CHUNK = args.ce_chunk
     with open(os.path.join(EXAMPLES, args.model, "config.json")) as f:
         cfg = {**json.load(f), "num_hidden_layers": args.layers}
     if "layer_types" in cfg:
@@ -171,7 +190,7 @@ def main() -> None:
         results["ratio_tokens_per_s"] = results["ours"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
         results["ratio_peak_mem"] = results["ours"]["peak_gb"] / results["hf"]["peak_gb"]
     results["config"] = dict(model=args.model, layers=args.layers, seq=args.seq, mbs=args.mbs, steps=args.steps,
-                             weights=args.weights, compile=args.compile, recompute=args.recompute,
+                             weights=args.weights, compile=args.compile, recompute=args.recompute, ce_chunk=args.ce_chunk,
                              flops_per_token=fpt, device=torch.cuda.get_device_name())
     print(json.dumps(results, indent=1))
 

@@ -94,6 +94,20 @@ def check_cross_entropy_rows(device: str) -> None:
                 assert loss[n // 2] == 0 and g[n // 2].abs().sum() == 0
 
 
+def check_scaled(device: str) -> None:
+    """scaled (Triton: x * s in fp32, written as a given dtype) against its twin: bf16 and fp32
+    inputs, a length that is not a multiple of the block, an empty tensor."""
+    assert ce.use_triton(torch.empty(1, device=device), ndim=None), "the Triton path is not taken"
+    gen = torch.Generator(device).manual_seed(5)
+    s = torch.tensor(1 / 3000, device=device)
+    for n, src, dst in [(5000, torch.float32, torch.float32), (4096 * 3 + 7, torch.float32, torch.bfloat16),
+                        (77, torch.bfloat16, torch.bfloat16), (0, torch.float32, torch.bfloat16)]:
+        x = torch.randn(n, device=device, generator=gen).to(src)
+        got, want = ce.scaled(x, s, dst), ce.scaled_reference(x, s, dst)
+        assert got.dtype == dst, (n, src, dst)  # within one bf16 step (the interpreter truncates)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7 if dst == torch.bfloat16 else 1e-6, atol=0)
+
+
 def check_expert_bias(device: str) -> None:
     """add_expert_bias (Triton add, segmented-sum backward) against the twins: experts with no rows,
     one row, and more rows than a block, widths that are not a multiple of the block."""
@@ -209,6 +223,7 @@ def run_all(device: str) -> None:
     check_swiglu(device)
     check_permute(device)
     check_cross_entropy_rows(device)
+    check_scaled(device)
 
 
 if __name__ == "__main__":

@@ -217,22 +217,51 @@ def test_triton_kernels_match_twins_on_cuda():
     kernel_checks.run_all("cuda")
 
 
-def test_linear_cross_entropy_on_cuda_bf16():
-    """The chunked head + cross-entropy under bf16 autocast against the full-logits twin."""
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [1024, 4096])
+def test_linear_cross_entropy_on_cuda_bf16(chunk, weight_dtype):
+    """The head + cross-entropy under bf16 autocast against the full-logits fp32 twin: several
+    chunks (fp32 dW accumulated by addmm) and one chunk (dW straight to the weight's dtype), with
+    fp32 and with bf16 weights."""
     from pithtrain.ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 
     gen = torch.Generator("cuda").manual_seed(0)
     h = torch.randn(3000, 256, device="cuda", generator=gen, requires_grad=True)
-    w = (torch.randn(50000, 256, device="cuda", generator=gen) * 0.05).requires_grad_()
+    w32 = (torch.randn(50000, 256, device="cuda", generator=gen) * 0.05).to(weight_dtype).float().requires_grad_()
+    w = w32.detach().to(weight_dtype).requires_grad_()
     labels = torch.randint(0, 50000, (3000,), device="cuda", generator=gen)
     labels[::7] = -100
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        got = linear_cross_entropy(h, w, labels, chunk=1024)
-        want = linear_cross_entropy_reference(h, w, labels)
+        got = linear_cross_entropy(h, w, labels, chunk=chunk)
+        want = linear_cross_entropy_reference(h, w32, labels)
     gh, gw = torch.autograd.grad(got, [h, w])
-    rh, rw = torch.autograd.grad(want, [h, w])
+    rh, rw = torch.autograd.grad(want, [h, w32])
+    assert gw.dtype == weight_dtype
     assert abs(got.item() - want.item()) / want.item() < 1e-3
-    assert rel(gh, rh) < 1e-2 and rel(gw, rw) < 1e-2
+    assert rel(gh, rh) < 1e-2 and rel(gw.float(), rw) < 1e-2
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_router_logits_bf16_gemm_matches_fp32(bias, compiled):
+    """bf16 router logits from the tensor-core GEMM with fp32 output: the fp32 GEMM's values up to
+    summation order; gradients within bf16 rounding; the same under torch.compile(fullgraph)."""
+    from pithtrain.layers.moe import router_logits
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    x = torch.randn(4096, 2048, device="cuda", generator=gen).bfloat16().requires_grad_()
+    w = (torch.randn(128, 2048, device="cuda", generator=gen) * 0.02).bfloat16().requires_grad_()
+    b = (torch.randn(128, device="cuda", generator=gen) * 0.1).bfloat16().requires_grad_() if bias else None
+    fn = torch.compile(router_logits, fullgraph=True) if compiled else router_logits
+    got = fn(x, w, b)
+    want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    assert got.dtype == torch.float32 and rel(got, want) < 1e-5
+    g = torch.randn_like(want)
+    params = [x, w] + ([b] if bias else [])
+    grads = torch.autograd.grad(got, params, g)
+    wants = torch.autograd.grad(want, params, g)
+    for gg, ww in zip(grads, wants):
+        assert gg.dtype == torch.bfloat16 and rel(gg, ww) < 1e-2
 
 
 def _masks_ctx(model_windows, B, S, docs, on):

@@ -120,6 +120,17 @@ def test_permute_roundtrip_and_backward():
     torch.autograd.gradcheck(lambda t: permute(t, keep, pos, k), (x,))
 
 
+@pytest.mark.parametrize("E", [8, 40000])  # int16 sort keys, and int64 past int16's range
+def test_sort_by_expert_is_a_stable_sort_with_its_inverse(E):
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, E, (500, 4), generator=gen)
+    ids[:100] = E - 1  # many ties
+    order, inverse, counts = sort_by_expert(ids, E)
+    assert torch.equal(order, torch.argsort(ids.flatten(), stable=True))
+    assert torch.equal(inverse[order], torch.arange(ids.numel()))
+    assert torch.equal(counts, torch.bincount(ids.flatten(), minlength=E))
+
+
 def test_grouped_mm_reference_with_empty_groups():
     x = torch.randn(6, 4)
     w = torch.randn(3, 4, 2)

@@ -144,7 +144,8 @@ class CausalLM(nn.Module):
     def compile_dense(self) -> None:
         """torch.compile(fullgraph=True) the dense parts of every layer: the attention block (norm,
         projections, q/k norms, RoPE, SDPA / FlexAttention, residual, post-norm; eager under context
-        parallelism, whose ring exchanges blocks between ranks), the router, the dense MLP or shared
+        parallelism, whose ring exchanges blocks between ranks), the router with the sort into
+        expert order (`MoEBlock.select`), the dense MLP or shared
         experts, and the final norm. The grouped experts, the permutation and the cross-entropy stay
         eager: they are grouped GEMMs and Triton kernels already. Layers share compiled code
         (parameters are graph inputs); shapes are static, so a run compiles in its first steps and
@@ -155,7 +156,7 @@ class CausalLM(nn.Module):
             if self.cp is None:
                 layer.attention_block = torch.compile(layer.attention_block, **opts)
             if layer.is_moe:
-                layer.mlp.topk_router.compile(**opts)
+                layer.mlp.select = torch.compile(layer.mlp.select, **opts)  # router + expert order
                 if layer.mlp.shared_experts is not None:
                     layer.mlp.shared_experts.compile(**opts)
             else:

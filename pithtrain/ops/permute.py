@@ -31,10 +31,14 @@ def count(values: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def sort_by_expert(expert_ids: torch.Tensor, num_experts: int):
-    """expert_ids [N, k] -> (order, inverse, counts [num_experts]) with a stable sort."""
+    """expert_ids [N, k] -> (order, inverse, counts [num_experts]) with a stable sort.
+
+    The sort keys are int16 when the experts allow it: a radix sort makes one pass per key byte,
+    2 instead of 8 for int64. The inverse permutation is a scatter, not a second sort."""
     flat = expert_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    inverse = torch.argsort(order)
+    keys = flat.to(torch.int16) if num_experts <= torch.iinfo(torch.int16).max else flat
+    order = torch.argsort(keys, stable=True)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
     return order, inverse, count(flat, num_experts)
 
 

@@ -15,8 +15,9 @@ allocated) and adds, per rank:
   after the gate/up projection, after SwiGLU and after the down projection; router scores in fp32.
   `train.recompute` keeps only the layer's input (attention) or the routed rows (experts), and
   one layer's full set exists again while it is recomputed;
-- the head: its fused cross-entropy keeps the input gradient and an fp32 weight gradient from the
-  forward, and one chunk of logits at a time.
+- the head: its fused cross-entropy keeps the input gradient and the weight gradient from the
+  forward (fp32 when the tokens span several chunks, else the weight's dtype), and one chunk of
+  logits at a time.
 
 Gradients are counted whole next to all activations, as they are from the second micro-batch of
 an accumulated step on. Measured against the H200's peak (`tests/test_gpu.py`, and the 4-layer
@@ -32,6 +33,7 @@ import torch
 from torch import nn
 
 from pithtrain.config import ConfigError
+from pithtrain.ops.cross_entropy import CHUNK
 
 GB = 2**30
 
@@ -90,7 +92,7 @@ def layer_activation_bytes(layer: nn.Module, a: int, recompute_attention: bool, 
 
 
 def estimate(model: nn.Module, *, tokens: int, param_dtype: str = "fp32", autocast: bool = True,
-             world: int = 1, recompute: str = "none", ce_chunk: int = 2048) -> MemoryEstimate:
+             world: int = 1, recompute: str = "none", ce_chunk: int = CHUNK) -> MemoryEstimate:
     """Per-rank estimate for `model` (meta device is enough) with `tokens` per micro-batch on this
     rank (micro_batch_size * seq_len / cp), parameters sharded over `world` ranks."""
     state = 4 if param_dtype == "fp32" else 2
@@ -109,7 +111,8 @@ def estimate(model: nn.Module, *, tokens: int, param_dtype: str = "fp32", autoca
     full = [layer_activation_bytes(layer, a, False, False) for layer in layers]
     acts = tokens * (sum(kept) + max(f - k for f, k in zip(full, kept)))  # + the layer being recomputed
     hidden = head.shape[1]
-    head_bytes = 4 * head.numel() + tokens * hidden * 3 * a + min(ce_chunk, tokens) * head.shape[0] * a
+    dw = 4 if tokens > ce_chunk else state  # the head's dW: an fp32 accumulator over several chunks
+    head_bytes = dw * head.numel() + tokens * hidden * 3 * a + min(ce_chunk, tokens) * head.shape[0] * a
     return MemoryEstimate(weights=n * state / world, gradients=n * state / world, optimizer=2 * n * state / world,
                           compute_copies=copies, activations=acts, head=head_bytes)
 
