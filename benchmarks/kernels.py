@@ -115,6 +115,26 @@ def adamw_bench(dtype: torch.dtype, layers: int = 1) -> dict:
     return out
 
 
+def embedding_bench(tokens: int, vocab: int, hidden: int) -> dict:
+    """The embedding table's gradient (bf16, Qwen3's 151,936 x 2048) from `tokens` rows: ours
+    (`ops/embedding.py`: sort, zero fill, one Triton kernel) and torch's dense backward, in ms and as
+    GB/s of the fewest bytes (the table written once, the gradient rows read once). `zipf`: ids drawn
+    with a Zipf-like skew, so common ids form long runs, as in real text."""
+    from pithtrain.ops.embedding import embedding_backward
+
+    grad = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    nbytes = vocab * hidden * 2 + grad.nbytes
+    ranks = torch.arange(1, vocab + 1, device="cuda", dtype=torch.float32)
+    out = {}
+    for kind, ids in [("uniform", torch.randint(0, vocab, (tokens,), device="cuda")),
+                      ("zipf", torch.multinomial(1 / ranks, tokens, replacement=True))]:
+        for name, fn in [("ours", lambda: embedding_backward(grad, ids, vocab, torch.bfloat16)),
+                         ("torch", lambda: torch.ops.aten.embedding_dense_backward(grad, ids, vocab, -1, False))]:
+            t = timed(fn)
+            out[f"{kind}_{name}_ms"], out[f"{kind}_{name}_GBps"] = t * 1e3, nbytes / t / 1e9
+    return out
+
+
 def sweep() -> dict:
     """GB/s of each memory-bound kernel under several tiles (programs' rows x columns, warps), to
     choose the defaults in ops/swiglu.py, ops/permute.py and ops/adamw.py for this GPU."""
@@ -169,7 +189,7 @@ def main() -> None:
     p.add_argument("--json", default="")
     p.add_argument("--sweep", action="store_true", help="only the tile sweep of the memory-bound kernels")
     p.add_argument("--only", nargs="*", default=[], help="run only these groups (swiglu permute adamw_bf16 "
-                   "adamw_fp32 grouped_mm attention_qwen3)")
+                   "adamw_fp32 grouped_mm attention_qwen3 embedding)")
     args = p.parse_args()
     res = {"device": torch.cuda.get_device_name(), "ceilings": ceilings()}
     if args.sweep:
@@ -181,14 +201,16 @@ def main() -> None:
                "adamw_bf16": lambda: adamw_bench(torch.bfloat16),
                "adamw_fp32": lambda: adamw_bench(torch.float32),
                "grouped_mm": lambda: grouped_mm_bench(args.tokens, 2048, 128, 8, 768),
-               "attention_qwen3": lambda: attention_bench(2, 4096, 32, 4, 128)}
+               "attention_qwen3": lambda: attention_bench(2, 4096, 32, 4, 128),
+               "embedding": lambda: embedding_bench(args.tokens, 151936, 2048)}
     for name, bench in benches.items():
         if not args.only or name in args.only:
             res[name] = bench()
     c = res["ceilings"]
-    for group in ("swiglu", "permute", "adamw_bf16", "adamw_fp32"):
+    for group in ("swiglu", "permute", "adamw_bf16", "adamw_fp32", "embedding"):
         for key, val in list(res.get(group, {}).items()):
-            res[group][key.replace("GBps", "of_copy")] = val / c["copy_GBps"]
+            if key.endswith("GBps"):
+                res[group][key.replace("GBps", "of_copy")] = val / c["copy_GBps"]
     for key, val in list(res.get("grouped_mm", {}).items()):
         if key.endswith("TFLOPs"):
             res["grouped_mm"][key.replace("TFLOPs", "of_matmul")] = val / c["matmul_TFLOPs"]

@@ -8,6 +8,7 @@ import torch
 from pithtrain.ops import adamw as aw
 from pithtrain.ops import use_triton
 from pithtrain.ops import cross_entropy as ce
+from pithtrain.ops import embedding as em
 from pithtrain.ops import expert_bias as eb
 from pithtrain.ops import permute as pm
 from pithtrain.ops import swiglu as sw
@@ -70,11 +71,13 @@ def check_permute(device: str) -> None:
 
 
 def check_cross_entropy_rows(device: str) -> None:
-    """ce_rows (Triton: row losses, gradient over the logits) against its twin, with ignored rows,
-    a vocabulary that is not a multiple of the block, and a row whose label is the last column."""
+    """ce_forward (row losses, log-sum-exps) and ce_backward (the logits' gradient times a scale,
+    written over them) against their twins, with ignored rows, a vocabulary that is not a multiple
+    of the block, and a row whose label is the last column."""
     assert ce.use_triton(torch.empty(1, 2, device=device)), "the Triton path is not taken"
     gen = torch.Generator(device).manual_seed(2)
     cases = [(5, 5000), (3, 7), (0, 100)] + ([(64, 151936), (33, 1000)] if device == "cuda" else [])
+    scale = torch.tensor(0.37, device=device)
     for n, V in cases:
         for dtype in ([torch.float32, torch.bfloat16] if device == "cuda" else [torch.float32]):
             tol = 1e-5 if dtype == torch.float32 else 1e-2
@@ -83,15 +86,44 @@ def check_cross_entropy_rows(device: str) -> None:
             if n:
                 labels[0] = V - 1
                 labels[n // 2] = -100
-            want_loss, want_g = ce.ce_rows_reference(logits.clone(), labels, -100, True)
-            loss, g = ce.ce_rows(logits.clone(), labels, -100, True)
-            loss_only, none = ce.ce_rows(logits.clone(), labels, -100, False)
-            assert none is None and torch.equal(loss_only, loss)
-            for got, want in [(loss, want_loss), (g, want_g)]:
+            want_loss, want_lse = ce.ce_forward_reference(logits, labels, -100)
+            want_g = ce.ce_backward_reference(logits, want_lse, labels, -100, scale)
+            loss, lse = ce.ce_forward(logits, labels, -100)
+            buf = logits.clone()
+            g = ce.ce_backward(buf, lse, labels, -100, scale)
+            assert n == 0 or g.data_ptr() == buf.data_ptr(), "the gradient is not written over the logits"
+            for got, want in [(loss, want_loss), (lse, want_lse), (g, want_g)]:
                 err = ((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-30)).item()
                 assert err < tol, (n, V, dtype, err)
             if n:
                 assert loss[n // 2] == 0 and g[n // 2].abs().sum() == 0
+
+
+def check_embedding(device: str) -> None:
+    """embedding_backward (Triton: per run of equal sorted ids, R rows a step) against its twin: runs
+    shorter and longer than R (one id 3R + 1 times), every id the same, widths that are not a
+    multiple of the block; the autograd op against F.embedding's gradient."""
+    assert em.use_triton(torch.empty(1, 2, device=device)), "the Triton path is not taken"
+    gen = torch.Generator(device).manual_seed(6)
+    R = em.TILE["rows"]
+    cases = [(50, 37, 20), (3 * R + 1, 5, 9), (1, 4, 3)] + ([(8192, 151936, 2048), (4000, 30, 1500)] if device == "cuda" else [])
+    for n, V, H in cases:
+        for dtype in ([torch.float32, torch.bfloat16] if device == "cuda" else [torch.float32]):
+            tol = 1e-5 if dtype == torch.float32 else 1e-2
+            ids = torch.randint(0, V, (n,), device=device, generator=gen)
+            ids[: min(n, 3 * R + 1)] = V - 1  # one long run, at the last row of the table
+            grad = torch.randn(n, H, device=device, generator=gen).to(dtype)
+            got = em.embedding_backward(grad, ids, V, dtype)
+            want = em.embedding_backward_reference(grad, ids, V, dtype)
+            err = ((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-30)).item()
+            assert got.dtype == dtype and err < tol, (n, V, H, dtype, err)
+            assert torch.equal(got, em.embedding_backward(grad, ids, V, dtype)), "not deterministic"
+    w = torch.randn(11, 6, device=device, generator=gen, requires_grad=True)
+    ids = torch.randint(0, 11, (3, 7), device=device, generator=gen)
+    dout = torch.randn(3, 7, 6, device=device, generator=gen)
+    got = torch.autograd.grad(em.embedding(ids, w), w, dout)[0]
+    want = torch.autograd.grad(torch.nn.functional.embedding(ids, w), w, dout)[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def check_scaled(device: str) -> None:
@@ -224,6 +256,7 @@ def run_all(device: str) -> None:
     check_permute(device)
     check_cross_entropy_rows(device)
     check_scaled(device)
+    check_embedding(device)
 
 
 if __name__ == "__main__":

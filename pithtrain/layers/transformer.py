@@ -26,6 +26,7 @@ from pithtrain.layers.moe import GroupedExperts, MoEBlock, RoutePlan
 from pithtrain.layers.norm import RMSNorm
 from pithtrain.layers.rope import RotaryEmbedding
 from pithtrain.ops.cross_entropy import linear_cross_entropy
+from pithtrain.ops.embedding import embedding
 
 
 @dataclass
@@ -105,12 +106,20 @@ class DecoderLayer(nn.Module):
         return self.stage_aggregate(s)
 
 
+class Embedding(nn.Embedding):
+    """The token embedding (HF's `embed_tokens`), its backward by `ops/embedding.py`; called as a
+    module, so FSDP gathers its weight as for any layer."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return embedding(ids, self.weight)
+
+
 class Backbone(nn.Module):
     """Embedding, decoder layers (keyed by global layer index) and final norm: HF's `model.*`."""
 
     def __init__(self, vocab: int, hidden: int, layers: dict[int, DecoderLayer], eps: float):
         super().__init__()
-        self.embed_tokens = nn.Embedding(vocab, hidden)
+        self.embed_tokens = Embedding(vocab, hidden)
         self.layers = nn.ModuleDict({str(i): layer for i, layer in layers.items()})
         self.norm = RMSNorm(hidden, eps)
 

@@ -2,23 +2,27 @@
 (8192 x 151,936 fp32 = 5 GB for a Qwen3 micro-batch, and as much again for their gradient) are
 never materialised.
 
-For each chunk of rows: logits = h W^T in the compute dtype, then in fp32 the log-sum-exp, the
-loss terms lse - logit[label], and at once the gradient of the logits, softmax - onehot(label)
-(zero for ignored rows), which gives this chunk's dh = g W and adds g^T h to dW. The gradients are
-made in the forward, while the chunk's logits exist, and kept for the backward, which only scales
-them by the incoming gradient: the head's three matmuls are done once each, with no recomputation.
-Peak extra memory is one chunk of logits (`chunk` rows x vocab) instead of all of them. When the
-rows fit in one chunk (`CHUNK`, 8192 rows: 2.5 GB of bf16 logits for Qwen3's vocabulary), dW is one
-GEMM written in the weight's dtype; with several, it is accumulated in an fp32 buffer by the GEMMs
-(`addmm`), which reads and writes that buffer once per chunk (1.2 GB each for Qwen3's head).
+Per chunk of rows: logits = h W^T in the compute dtype; then in fp32 the log-sum-exp and the loss
+terms lse - logit[label] (`ce_forward`), and the gradient of the logits, (softmax - onehot(label))
+times the incoming gradient (zero on ignored rows), written over the logits (`ce_backward`), which
+gives dh = g W and dW = g^T h. Each of the head's three matmuls runs once; none is recomputed.
+- One chunk (the rows fit in `CHUNK`, 8192 rows: 2.5 GB of bf16 logits for Qwen3's vocabulary):
+  the forward keeps the logits and their log-sum-exps, and the backward makes the gradient with
+  the incoming scale folded into the same pass, then dh and dW (dW one GEMM written in the
+  weight's dtype).
+- Several chunks: a chunk's logits cannot outlive it, so its gradient and dh, dW are made in the
+  forward (dW accumulated in an fp32 buffer by the GEMMs, `addmm`); the backward scales them by
+  the incoming gradient (`scaled`).
+Peak extra memory is one chunk of logits (`chunk` rows x vocab) instead of all of them.
 
-On CUDA one Triton kernel (`ce_rows`) does a chunk's softmax work on the logits as the matmul
-wrote them (bf16 under autocast): per row, one pass for the log-sum-exp (online max and sum, in
-fp32) and one that overwrites the logits with their gradient, also giving the row's loss. Eager
-PyTorch needs an fp32 copy, logsumexp (max, subtract, exp, sum, log), exp, subtract, the one-hot
-update and the mask, each a full pass over 2048 x 151,936 values: measured ~25 ms per Qwen3
-micro-batch against ~2 ms for the kernel's three passes of bf16. `ce_rows_reference` is its twin;
-the torch twin of the whole op is `linear_cross_entropy_reference` (F.linear then F.cross_entropy).
+On CUDA the two passes are Triton kernels over the logits as the matmul wrote them (bf16 under
+autocast): per row, one pass for the log-sum-exp (online max and sum, in fp32) and one that reads
+the logits and writes their gradient. Eager PyTorch needs an fp32 copy, logsumexp (max, subtract,
+exp, sum, log), exp, subtract, the one-hot update and the mask, each a full pass over 2048 x
+151,936 values: measured ~25 ms per Qwen3 micro-batch against ~2 ms for the kernels' three passes
+of bf16. Folding the scale into the gradient pass removed a 0.3 ms pass over Qwen3's dW. The
+twins are `ce_forward_reference` / `ce_backward_reference`; the torch twin of the whole op is
+`linear_cross_entropy_reference` (F.linear then F.cross_entropy).
 """
 
 import torch
@@ -30,8 +34,7 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _ce_rows_kernel(logits_ptr, labels_ptr, loss_ptr, V, ignore_index, WANT_GRAD: tl.constexpr,
-                        BLOCK: tl.constexpr):
+    def _ce_forward_kernel(logits_ptr, labels_ptr, loss_ptr, lse_ptr, V, ignore_index, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         base = logits_ptr + row.to(tl.int64) * V
         # Per-lane running max and sum; lanes that only saw padding (-1e30) vanish in the final merge.
@@ -47,16 +50,24 @@ if triton is not None:
         lse = big + tl.log(tl.sum(s * tl.exp(m - big), 0))
         label = tl.load(labels_ptr + row)
         valid = label != ignore_index
-        target = tl.where(valid, label, 0)
-        picked = tl.load(base + target).to(tl.float32)
+        picked = tl.load(base + tl.where(valid, label, 0)).to(tl.float32)
         tl.store(loss_ptr + row, tl.where(valid, lse - picked, 0.0))
-        if WANT_GRAD:
-            keep = tl.where(valid, 1.0, 0.0)
-            for start in range(0, V, BLOCK):
-                cols = start + tl.arange(0, BLOCK)
-                x = tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32)
-                g = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * keep
-                tl.store(base + cols, g.to(logits_ptr.dtype.element_ty), mask=cols < V)
+        tl.store(lse_ptr + row, lse)
+
+    @triton.jit
+    def _ce_backward_kernel(logits_ptr, labels_ptr, lse_ptr, scale_ptr, V, ignore_index, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        base = logits_ptr + row.to(tl.int64) * V
+        label = tl.load(labels_ptr + row)
+        valid = label != ignore_index
+        target = tl.where(valid, label, 0)
+        lse = tl.load(lse_ptr + row)
+        scale = tl.where(valid, tl.load(scale_ptr).to(tl.float32), 0.0)
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32)
+            g = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * scale
+            tl.store(base + cols, g.to(logits_ptr.dtype.element_ty), mask=cols < V)
 
 
     @triton.jit
@@ -82,30 +93,44 @@ def scaled(x: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
     return out
 
 
-def ce_rows_reference(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, want_grad: bool):
-    """Row losses (fp32, 0 where ignored) and, if `want_grad`, the logits' gradient softmax - onehot
-    (0 on ignored rows) in the logits' dtype. The twin of `ce_rows`."""
+def ce_forward_reference(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int):
+    """Row losses (fp32, 0 where ignored) and row log-sum-exps (fp32). The twin of `ce_forward`."""
     logits32 = logits.float()
     valid = labels != ignore_index
-    target = torch.where(valid, labels, 0)
     lse = torch.logsumexp(logits32, dim=-1)
-    loss = torch.where(valid, lse - logits32.gather(1, target[:, None]).squeeze(1), 0.0)
-    if not want_grad:
-        return loss, None
-    g = logits32.sub_(lse[:, None]).exp_()
-    g[torch.arange(g.shape[0], device=g.device), target] -= 1.0
-    return loss, g.mul_(valid[:, None]).to(logits.dtype)
+    picked = logits32.gather(1, torch.where(valid, labels, 0)[:, None]).squeeze(1)
+    return torch.where(valid, lse - picked, 0.0), lse
 
 
-def ce_rows(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, want_grad: bool):
-    """`ce_rows_reference`, with the gradient written over `logits` (a contiguous [n, V] buffer)."""
+def ce_backward_reference(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, ignore_index: int,
+                          scale: torch.Tensor) -> torch.Tensor:
+    """(softmax - onehot(label)) * scale (0 on ignored rows) in the logits' dtype, from the row
+    log-sum-exps; `scale` a 0-dim tensor. The twin of `ce_backward`."""
+    valid = labels != ignore_index
+    g = (logits.float() - lse[:, None]).exp_()
+    g[torch.arange(g.shape[0], device=g.device), torch.where(valid, labels, 0)] -= 1.0
+    return g.mul_((valid * scale.float())[:, None]).to(logits.dtype)
+
+
+def ce_forward(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int):
+    """`ce_forward_reference` in one pass over a contiguous [n, V] `logits`."""
     if not use_triton(logits) or logits.shape[0] == 0:
-        return ce_rows_reference(logits, labels, ignore_index, want_grad)
-    logits = logits.contiguous()
-    loss = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-    _ce_rows_kernel[(logits.shape[0],)](logits, labels, loss, logits.shape[1], ignore_index, WANT_GRAD=want_grad,
-                                        BLOCK=2048, num_warps=8)
-    return loss, logits if want_grad else None
+        return ce_forward_reference(logits, labels, ignore_index)
+    loss, lse = (torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device) for _ in range(2))
+    _ce_forward_kernel[(logits.shape[0],)](logits.contiguous(), labels, loss, lse, logits.shape[1], ignore_index,
+                                           BLOCK=2048, num_warps=8)
+    return loss, lse
+
+
+def ce_backward(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, ignore_index: int,
+                scale: torch.Tensor) -> torch.Tensor:
+    """`ce_backward_reference` in one pass, written over `logits` (a contiguous [n, V] buffer)."""
+    if not use_triton(logits) or logits.shape[0] == 0 or not logits.is_contiguous():
+        return ce_backward_reference(logits, lse, labels, ignore_index, scale)
+    _ce_backward_kernel[(logits.shape[0],)](logits, labels, lse, scale, logits.shape[1], ignore_index,
+                                            BLOCK=2048, num_warps=8)
+    torch.autograd.graph.increment_version(logits)  # a saved tensor was overwritten: a second backward refuses
+    return logits
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -116,42 +141,53 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, labels, chunk, ignore_index, dtype):
-        want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         w = weight.to(dtype)
-        single = h.shape[0] <= chunk  # one chunk: dW in one GEMM, no fp32 accumulator
+        ctx.single, ctx.ignore_index, ctx.weight_dtype = h.shape[0] <= chunk, ignore_index, weight.dtype
+        if ctx.single:  # the gradient pass waits for backward, which brings the scale
+            hc = h.to(dtype)
+            logits = hc @ w.T
+            row_loss, lse = ce_forward(logits, labels, ignore_index)
+            if want_h or want_w:
+                ctx.save_for_backward(logits, lse, labels, hc, w)
+                ctx.h_dtype = h.dtype
+            return row_loss.sum()
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
-        grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
-        grad_w = None
-        if ctx.needs_input_grad[1] and not single:
-            grad_w = torch.zeros_like(weight, dtype=torch.float32)
+        grad_h = torch.empty_like(h) if want_h else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None
+        one = torch.ones((), device=h.device)
         for start in range(0, h.shape[0], chunk):
             hc, lc = h[start:start + chunk].to(dtype), labels[start:start + chunk]
-            row_loss, g = ce_rows(hc @ w.T, lc, ignore_index, want_grad)
+            logits = hc @ w.T
+            row_loss, lse = ce_forward(logits, lc, ignore_index)
             loss += row_loss.sum()
-            if not want_grad:
+            if not (want_h or want_w):
                 continue
-            if grad_h is not None:
+            g = ce_backward(logits, lse, lc, ignore_index, one)
+            if want_h:
                 grad_h[start:start + chunk] = (g @ w).to(h.dtype)
-            if not ctx.needs_input_grad[1]:
-                continue
-            if single:  # straight to the weight's dtype (the GEMM accumulates in fp32 either way)
-                if g.is_cuda and dtype != weight.dtype:
-                    grad_w = torch.mm(g.T, hc, out_dtype=weight.dtype)
-                else:
-                    grad_w = (g.T @ hc).to(weight.dtype)
-            elif g.is_cuda and dtype != torch.float32:  # accumulate in the GEMM, fp32, no bf16 partial
+            if want_w and g.is_cuda and dtype != torch.float32:  # accumulate in the GEMM, fp32, no bf16 partial
                 grad_w = torch.addmm(grad_w, g.T, hc, out_dtype=torch.float32)
-            else:
+            elif want_w:
                 grad_w += (g.T @ hc).float()
         ctx.save_for_backward(grad_h, grad_w)
-        ctx.weight_dtype = weight.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad):
-        grad_h, grad_w = ctx.saved_tensors
-        gh = scaled(grad_h, grad, grad_h.dtype) if grad_h is not None else None
-        gw = scaled(grad_w, grad, ctx.weight_dtype) if grad_w is not None else None
+        if not ctx.single:
+            grad_h, grad_w = ctx.saved_tensors
+            gh = scaled(grad_h, grad, grad_h.dtype) if grad_h is not None else None
+            gw = scaled(grad_w, grad, ctx.weight_dtype) if grad_w is not None else None
+            return gh, gw, None, None, None, None
+        logits, lse, labels, hc, w = ctx.saved_tensors
+        g = ce_backward(logits, lse, labels, ctx.ignore_index, grad)
+        gh = (g @ w).to(ctx.h_dtype) if ctx.needs_input_grad[0] else None
+        gw = None
+        if ctx.needs_input_grad[1] and g.is_cuda and g.dtype != ctx.weight_dtype:  # fp32 accumulation either way
+            gw = torch.mm(g.T, hc, out_dtype=ctx.weight_dtype)
+        elif ctx.needs_input_grad[1]:
+            gw = (g.T @ hc).to(ctx.weight_dtype)
         return gh, gw, None, None, None, None
 
 
