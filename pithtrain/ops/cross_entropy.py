@@ -20,8 +20,9 @@ autocast): per row, one pass for the log-sum-exp (online max and sum, in fp32) a
 the logits and writes their gradient. Eager PyTorch needs an fp32 copy, logsumexp (max, subtract,
 exp, sum, log), exp, subtract, the one-hot update and the mask, each a full pass over 2048 x
 151,936 values: measured ~25 ms per Qwen3 micro-batch against ~2 ms for the kernels' three passes
-of bf16. Folding the scale into the gradient pass removed a 0.3 ms pass over Qwen3's dW. The
-twins are `ce_forward_reference` / `ce_backward_reference`; the torch twin of the whole op is
+of bf16 (H200: 0.70 ms for the log-sum-exp pass, 1.3 ms for the gradient pass). Folding the scale
+into the gradient pass removed a 0.3 ms pass over Qwen3's dW (and a small one over dh). The twins
+are `ce_forward_reference` / `ce_backward_reference`; the torch twin of the whole op is
 `linear_cross_entropy_reference` (F.linear then F.cross_entropy).
 """
 
@@ -38,14 +39,16 @@ if triton is not None:
         row = tl.program_id(0)
         base = logits_ptr + row.to(tl.int64) * V
         # Per-lane running max and sum; lanes that only saw padding (-1e30) vanish in the final merge.
+        # One exp per value: a new max rescales the old sum by exp(m - x) and adds 1, any other
+        # value adds exp(x - m); both are exp(-|x - m|).
         m = tl.full([BLOCK], -1e30, tl.float32)
         s = tl.zeros([BLOCK], tl.float32)
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(base + cols, mask=cols < V, other=-1e30).to(tl.float32)
-            m_new = tl.maximum(m, x)
-            s = s * tl.exp(m - m_new) + tl.exp(x - m_new)
-            m = m_new
+            e = tl.exp(-tl.abs(x - m))
+            s = tl.where(x > m, s * e + 1.0, s + e)
+            m = tl.maximum(m, x)
         big = tl.max(m, 0)
         lse = big + tl.log(tl.sum(s * tl.exp(m - big), 0))
         label = tl.load(labels_ptr + row)

@@ -15,15 +15,16 @@ allocated) and adds, per rank:
   after the gate/up projection, after SwiGLU and after the down projection; router scores in fp32.
   `train.recompute` keeps only the layer's input (attention) or the routed rows (experts), and
   one layer's full set exists again while it is recomputed;
-- the head: its fused cross-entropy keeps the input gradient and the weight gradient from the
-  forward (fp32 when the tokens span several chunks, else the weight's dtype), and one chunk of
-  logits at a time.
+- the head: its fused cross-entropy holds one chunk of logits at a time and the weight gradient
+  (fp32 when the tokens span several chunks, made in the forward; else in the weight's dtype, made
+  in the backward from the logits the forward kept), and the input gradient.
 
 Gradients are counted whole next to all activations, as they are from the second micro-batch of
 an accumulated step on. Measured against the H200's peak (`tests/test_gpu.py`, and the 4-layer
-proxies of docs/performance.md): 4-10% low on the proxies at 8192 tokens, 10-15% high on 2-layer
-cuts at 4096 tokens (where whole gradients weigh more than the unaccounted temporaries and
-allocator workspace). `check_fits` refuses a run whose estimate exceeds the device, so a run
+proxies of docs/performance.md): within 1.5% on the 4-layer proxies at 8192 tokens (one
+micro-batch); on 2-layer cuts at 4096 tokens within 0.5% of a step of two accumulated
+micro-batches, and 18-20% high for a step of one, whose peak is the optimizer's (weights,
+gradients, AdamW states) after the activations are gone. `check_fits` refuses a run whose estimate exceeds the device, so a run
 within ~15% of fitting can be refused or can fail at its first step.
 """
 
