@@ -24,8 +24,9 @@ an accumulated step on. Measured against the H200's peak (`tests/test_gpu.py`, a
 proxies of docs/performance.md): within 1.5% on the 4-layer proxies at 8192 tokens (one
 micro-batch); on 2-layer cuts at 4096 tokens within 0.5% of a step of two accumulated
 micro-batches, and 18-20% high for a step of one, whose peak is the optimizer's (weights,
-gradients, AdamW states) after the activations are gone. `check_fits` refuses a run whose estimate exceeds the device, so a run
-within ~15% of fitting can be refused or can fail at its first step.
+gradients, AdamW states) after the activations are gone. `check_fits` refuses a run whose
+estimate exceeds the device, so a run within ~20% of fitting can be refused or can fail at its
+first step.
 """
 
 from dataclasses import dataclass
