@@ -134,13 +134,14 @@ def main() -> None:
 
     from pithtrain.layers.transformer import cast_parameters, init_weights
     from pithtrain.models import build_model
+    from pithtrain.tools.memory import estimate
     from pithtrain.train.optim import AdamW
 
     with torch.device(dev):
         ours = build_model(cfg)
     init_weights(ours, 0)
     fpt = flops_per_token(ours, args.seq)
-    state = {k: v.to(torch.bfloat16) for k, v in ours.state_dict().items()}
+    state = {k: v.to("cpu", torch.bfloat16) for k, v in ours.state_dict().items()}  # HF's copy, off the GPU
 
     if args.only in ("ours", "both"):
         if args.weights == "bf16":
@@ -158,6 +159,10 @@ def main() -> None:
             opt.zero_grad(set_to_none=True)
 
         results["ours"] = measure(step_ours, args, tokens, fpt, ceiling)
+        from pithtrain.ops import cross_entropy
+        est = estimate(ours, tokens=tokens, param_dtype=args.weights, autocast=args.weights == "fp32",
+                       recompute=args.recompute, ce_chunk=cross_entropy.CHUNK, accumulate=False)  # one micro-batch a step
+        results["ours"]["estimate_gb"] = est.total / 2**30
         if args.profile:
             profile(step_ours, os.path.join(args.profile, "ours"))
         del opt

@@ -52,3 +52,38 @@ def test_activations_scale_with_tokens_and_shrink_under_recompute():
     assert fp32.compute_copies > 0 and fp32.activations == sizes[0]  # bf16 copies of fp32 matrices
     sharded = estimate(model, tokens=4096, param_dtype="fp32", autocast=True, world=4)
     assert sharded.weights == fp32.weights / 4 and sharded.compute_copies < fp32.compute_copies
+
+
+def test_a_step_of_one_micro_batch_walks_the_backward():
+    """One micro-batch a step: gradients replace activations layer by layer in backward, so the
+    peak is the larger of the backward's start (activations, the head's working set) and its end
+    (all gradients), never more than an accumulated step's, which holds both whole."""
+    cfg = dict(CASES["deepseek_v3"], vocab_size=512)
+    with torch.device("meta"):
+        model = build_model(cfg)
+    for tokens in (16, 4096, 1 << 20):
+        acc = estimate(model, tokens=tokens, param_dtype="bf16")
+        one = estimate(model, tokens=tokens, param_dtype="bf16", accumulate=False)
+        assert acc.backward_peak is None and one.backward_peak is not None
+        assert one.total < acc.total and one.backward_peak >= max(one.gradients, one.activations + one.head)
+        assert acc.total - one.total <= one.gradients + one.activations + one.head  # nothing counted twice
+    assert estimate(model, tokens=16, param_dtype="bf16", accumulate=False).backward_peak == one.gradients
+    huge = estimate(model, tokens=1 << 20, param_dtype="bf16", accumulate=False)
+    assert huge.backward_peak == pytest.approx(huge.activations + huge.head)  # the start of backward
+    assert "at most at once, in backward" in huge.lines()[0]
+
+
+def test_the_run_config_says_whether_a_step_accumulates():
+    import os
+
+    from pithtrain.config import load_config
+    from pithtrain.tools.memory import estimate_for_run
+
+    toml = os.path.join(os.path.dirname(__file__), "..", "examples", "demo", "demo.toml")
+
+    def run(global_batch: int, **ranks):
+        cfg = load_config(toml, ["data.micro_batch_size=4", f"data.global_batch_size={global_batch}"])
+        return estimate_for_run(cfg, **ranks)
+
+    assert run(4).backward_peak is not None and run(8).backward_peak is None
+    assert run(8, world=2, data_ranks=2).backward_peak is not None  # each rank runs one micro-batch

@@ -19,14 +19,17 @@ allocated) and adds, per rank:
   (fp32 when the tokens span several chunks, made in the forward; else in the weight's dtype, made
   in the backward from the logits the forward kept), and the input gradient.
 
-Gradients are counted whole next to all activations, as they are from the second micro-batch of
-an accumulated step on. Measured against the H200's peak (`tests/test_gpu.py`, and the 4-layer
-proxies of docs/performance.md): within 1.5% on the 4-layer proxies at 8192 tokens (one
-micro-batch); on 2-layer cuts at 4096 tokens within 0.5% of a step of two accumulated
-micro-batches, and 18-20% high for a step of one, whose peak is the optimizer's (weights,
-gradients, AdamW states) after the activations are gone. `check_fits` refuses a run whose
-estimate exceeds the device, so a run within ~20% of fitting can be refused or can fail at its
-first step.
+Gradients and activations are held together differently in the two kinds of step:
+- a step that accumulates over two or more micro-batches (per rank) holds every gradient next to
+  all activations from its second micro-batch on: both are counted whole;
+- a step of one micro-batch has no gradients in its forward; its backward frees each layer's
+  activations as that layer's gradients appear, from the last layer to the first, so the estimate
+  is the largest of the walk's stages: the start of backward (all activations, the head's
+  working set), each layer's backward (the gradients made so far, the activations of the layers
+  not yet done) and the end (all gradients, no activations).
+Measured against the H200's peak (`tests/test_gpu.py`, and the 4-layer proxies of
+docs/performance.md): see the figures there. `check_fits` refuses a run whose estimate exceeds
+the device.
 """
 
 from dataclasses import dataclass
@@ -48,15 +51,20 @@ class MemoryEstimate:
     compute_copies: float
     activations: float
     head: float
+    backward_peak: float | None = None  # one micro-batch a step: the most gradients + activations + head
+    #                                     held at once in the backward walk; None: all three at once
 
     @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.compute_copies + self.activations + self.head
+        held = self.gradients + self.activations + self.head if self.backward_peak is None else self.backward_peak
+        return self.weights + self.optimizer + self.compute_copies + held
 
     def lines(self) -> list[str]:
         parts = ", ".join(f"{name.replace('_', ' ')} {getattr(self, name) / GB:.2f} GB" for name in
                           ("weights", "gradients", "optimizer", "compute_copies", "activations", "head"))
-        return [f"estimated peak {self.total / GB:.2f} GB per rank: {parts}"]
+        walk = ("" if self.backward_peak is None else f"; one micro-batch a step, so gradients, activations and "
+                f"head are {self.backward_peak / GB:.2f} GB at most at once, in backward")
+        return [f"estimated peak {self.total / GB:.2f} GB per rank: {parts}{walk}"]
 
 
 def _attention_bytes(attn: nn.Module, a: int) -> float:
@@ -94,9 +102,11 @@ def layer_activation_bytes(layer: nn.Module, a: int, recompute_attention: bool, 
 
 
 def estimate(model: nn.Module, *, tokens: int, param_dtype: str = "fp32", autocast: bool = True,
-             world: int = 1, recompute: str = "none", ce_chunk: int = CHUNK) -> MemoryEstimate:
+             world: int = 1, recompute: str = "none", ce_chunk: int = CHUNK,
+             accumulate: bool = True) -> MemoryEstimate:
     """Per-rank estimate for `model` (meta device is enough) with `tokens` per micro-batch on this
-    rank (micro_batch_size * seq_len / cp), parameters sharded over `world` ranks."""
+    rank (micro_batch_size * seq_len / cp), parameters sharded over `world` ranks; `accumulate`:
+    the step runs two or more micro-batches on this rank (else the backward walk of one)."""
     state = 4 if param_dtype == "fp32" else 2
     a = 2 if (autocast or param_dtype == "bf16") else 4
     n = sum(p.numel() for p in model.parameters())
@@ -115,20 +125,31 @@ def estimate(model: nn.Module, *, tokens: int, param_dtype: str = "fp32", autoca
     hidden = head.shape[1]
     dw = 4 if tokens > ce_chunk else state  # the head's dW: an fp32 accumulator over several chunks
     head_bytes = dw * head.numel() + tokens * hidden * 3 * a + min(ce_chunk, tokens) * head.shape[0] * a
-    return MemoryEstimate(weights=n * state / world, gradients=n * state / world, optimizer=2 * n * state / world,
-                          compute_copies=copies, activations=acts, head=head_bytes)
+    est = MemoryEstimate(weights=n * state / world, gradients=n * state / world, optimizer=2 * n * state / world,
+                         compute_copies=copies, activations=acts, head=head_bytes)
+    if not accumulate:
+        grads = [sum(p.numel() for p in layer.parameters()) * state / world for layer in layers]
+        held = head.numel() * state / world  # the head's gradient, once its backward is done
+        walk = [acts - tokens * max(f - k for f, k in zip(full, kept)) + head_bytes, est.gradients]
+        for i in reversed(range(len(layers))):  # layer i's backward: its gradients next to its activations
+            walk.append(held + grads[i] + tokens * (sum(kept[:i + 1]) + full[i] - kept[i]))
+            held += grads[i]
+        est.backward_peak = max(walk)
+    return est
 
 
-def estimate_for_run(cfg, world: int = 1, cp: int = 1, autocast: bool = True) -> MemoryEstimate:
-    """`estimate` for a RunConfig on `world` ranks with context parallel `cp`: the model built on
-    the meta device (nothing allocated), this rank's share of a micro-batch."""
+def estimate_for_run(cfg, world: int = 1, cp: int = 1, autocast: bool = True, data_ranks: int = 1) -> MemoryEstimate:
+    """`estimate` for a RunConfig on `world` ranks with context parallel `cp` and `data_ranks`
+    ranks that split the global batch: the model built on the meta device (nothing allocated),
+    this rank's share of a micro-batch."""
     from pithtrain.models import build_model
 
     with torch.device("meta"):
         model = build_model(cfg.model.hf)
     t, d = cfg.train, cfg.data
     return estimate(model, tokens=d.micro_batch_size * d.seq_len // cp, param_dtype=t.param_dtype,
-                    autocast=autocast, world=world, recompute=t.recompute)
+                    autocast=autocast, world=world, recompute=t.recompute,
+                    accumulate=d.global_batch_size > d.micro_batch_size * data_ranks)
 
 
 def check_fits(est: MemoryEstimate, device_bytes: int | None, world: int = 1) -> None:

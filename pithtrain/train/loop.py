@@ -262,7 +262,7 @@ def train(cfg: RunConfig) -> dict:
     device = mesh.device if mesh is not None else device
     rank0 = mesh is None or mesh.rank == 0
     val_batches = [rank_batches(val_ds, idx, d.micro_batch_size, mesh, d.document_mask) for idx in val_idx]
-    memory = estimate_for_run(cfg, layout.world, layout.cp, amp is not None)
+    memory = estimate_for_run(cfg, layout.world, layout.cp, amp is not None, layout.data_ranks)
     if device.type == "cuda":  # before anything is allocated
         check_fits(memory, torch.cuda.get_device_properties(device).total_memory, layout.world)
     model = build_for_training(cfg, device, mesh, amp)
