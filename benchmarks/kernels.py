@@ -6,21 +6,39 @@ Shapes are a Qwen3-30B-A3B micro-batch (8192 tokens, hidden 2048, 128 experts to
 768) unless stated. Memory-bound kernels (SwiGLU, permute / combine) report GB/s (bytes each must
 read and write once) against a device copy (`clone` of 1 GiB, read + write); grouped GEMM reports
 TFLOP/s against a bf16 8192^3 matmul; attention reports fwd+bwd TFLOP/s per backend (causal
-FLOPs: 4 * B * H * S^2 / 2 * D forward, 2.5x that for forward + backward).
+FLOPs: 4 * B * H * S^2 / 2 * D forward, 2.5x that for forward + backward). Each figure is the
+median over 10 windows of 10 back-to-back calls (`timed`).
 """
 
 import argparse
 import json
+import statistics
 
 import torch
 import torch.nn.functional as F
 
-from single_gpu import time_steps  # benchmarks/ is the script's directory, on sys.path
+BACK_TO_BACK = 10
 
 
 def timed(fn, warmup: int = 3, reps: int = 10) -> float:
-    """Median seconds of `fn` over `reps` runs (CUDA events), as single_gpu.py times steps."""
-    return time_steps(fn, warmup, reps)
+    """Median seconds of one call of `fn` over `reps` windows of BACK_TO_BACK calls, CUDA events
+    around each window, one call already queued when it opens. The host enqueues while the GPU
+    runs, as inside a training step; a single call between two synchronisations would also count
+    the host's launch latency (tens of us, a third of a 70 us kernel)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        fn()
+        start.record()
+        for _ in range(BACK_TO_BACK):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1000 / BACK_TO_BACK)
+    return statistics.median(times)
 
 
 def ceilings() -> dict:
@@ -53,7 +71,7 @@ def swiglu_bench(rows: int, width: int) -> dict:
 
 
 def permute_bench(tokens: int, hidden: int, experts: int, k: int) -> dict:
-    from pithtrain.ops.permute import combine, gather_rows_reference, permute, sort_by_expert, sum_slots_reference
+    from pithtrain.ops.permute import combine, permute, scatter_rows_reference, sort_by_expert, sum_slots_reference
 
     ids = torch.rand(tokens, experts, device="cuda").topk(k, dim=-1).indices
     order, inverse, _ = sort_by_expert(ids, experts)
@@ -61,11 +79,16 @@ def permute_bench(tokens: int, hidden: int, experts: int, k: int) -> dict:
     rows = torch.randn(tokens * k, hidden, device="cuda", dtype=torch.bfloat16)
     w = torch.rand(tokens, k, device="cuda")
     moved = rows.nbytes + x.nbytes  # each row read or written once, each token once
+    r, wr = rows.clone().requires_grad_(), w.clone().requires_grad_()
+    y = combine(r, order, inverse, k, wr)
+    dy = torch.randn_like(y)
     return {
         "permute_GBps": gbps(moved, lambda: permute(x, order, inverse, k)),
-        "permute_eager_GBps": gbps(moved, lambda: gather_rows_reference(x, order, k)),
+        "permute_eager_GBps": gbps(moved, lambda: scatter_rows_reference(x, inverse, k, rows.shape[0])),
         "combine_GBps": gbps(moved, lambda: combine(rows, order, inverse, k, w)),
         "combine_eager_GBps": gbps(moved, lambda: sum_slots_reference(rows, inverse, k, w)),
+        # backward: rows read for the weights' gradient, their gradient written, each token read once
+        "combine_backward_GBps": gbps(2 * rows.nbytes + x.nbytes, lambda: torch.autograd.grad(y, (r, wr), dy, retain_graph=True)),
     }
 
 

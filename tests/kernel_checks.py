@@ -59,12 +59,14 @@ def check_permute(device: str) -> None:
             rows = torch.randn(M, H, device=device, generator=gen).to(dtype)
             w = torch.rand(N, k, device=device, generator=gen)
             dout = torch.randn(N, H, device=device, generator=gen).to(dtype)
-            pairs = [(pm.gather_rows(x, order, k), pm.gather_rows_reference(x, order, k)),
-                     (pm.gather_rows(x, order, k, w.flatten()[order]),
-                      pm.gather_rows_reference(x, order, k, w.flatten()[order])),
+            by_order = x.index_select(0, order // k)  # row i = token order[i] // k, written independently
+            drows, dw = pm.scatter_rows(dout, pos, k, M, w, rows=rows)
+            pairs = [(pm.scatter_rows(x, pos, k, M), by_order), (pm.scatter_rows_reference(x, pos, k, M), by_order),
+                     (pm.scatter_rows(x, pos, k, M, w), pm.scatter_rows_reference(x, pos, k, M, w)),
+                     (drows, pm.scatter_rows_reference(dout, pos, k, M, w)),
+                     (dw, pm.slot_dots_reference(rows, dout, pos, k)),
                      (pm.sum_slots(rows, pos, k), pm.sum_slots_reference(rows, pos, k)),
-                     (pm.sum_slots(rows, pos, k, w), pm.sum_slots_reference(rows.float(), pos, k, w)),
-                     (pm.slot_dots(rows, dout, pos, k), pm.slot_dots_reference(rows, dout, pos, k))]
+                     (pm.sum_slots(rows, pos, k, w), pm.sum_slots_reference(rows.float(), pos, k, w))]
             for got, want in pairs:
                 err = ((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-30)).item()
                 assert err < tol, (N, k, H, drop, dtype, err)

@@ -241,6 +241,21 @@ def test_linear_cross_entropy_on_cuda_bf16(chunk, weight_dtype):
     assert rel(gh, rh) < 1e-2 and rel(gw.float(), rw) < 1e-2
 
 
+def test_a_second_backward_through_the_one_chunk_head_is_refused():
+    """With one chunk the head's backward writes the logits' gradient over the logits it saved;
+    a second backward (retain_graph) must refuse rather than read the overwritten values."""
+    from pithtrain.ops.cross_entropy import linear_cross_entropy
+
+    h = torch.randn(64, 128, device="cuda", requires_grad=True)
+    w = (torch.randn(1000, 128, device="cuda") * 0.05).to(torch.bfloat16).requires_grad_()
+    labels = torch.randint(0, 1000, (64,), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = linear_cross_entropy(h, w, labels, chunk=64)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
 def test_router_logits_bf16_gemm_matches_fp32(bias, compiled):

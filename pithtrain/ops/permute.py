@@ -6,13 +6,17 @@ A routed token has k slots (one per chosen expert); slot j of token t is pair p 
 parallelism does not send twice, or a slot owned by another rank). With every pair kept
 (M = N * k, one rank) `pos` is simply the inverse permutation of `order`.
 
-Two operations, each the other's backward, both gathers (no scatter-add, so no atomics):
-- `permute`: tokens [N, H] -> rows [M, H], row i a copy of token order[i] // k;
+Two operations, each the other's backward, neither with an atomic add:
+- `permute`: tokens [N, H] -> rows [M, H], row i a copy of token order[i] // k: each token is
+  read once and written to its slots' rows (every row has exactly one pair, so each row is
+  written once);
 - `combine`: rows [M, H] -> tokens [N, H], token t = sum_j w[t, j] * row pos[t, j] (w = 1 when
-  not given); its weight gradient is a dot product per slot.
-On CUDA these are Triton kernels that read each row once and write each token once: the eager
-twins (`*_reference`) materialise the [N, k, H] block of a token's slots (268 MB per MoE layer for
-a Qwen3-30B-A3B micro-batch of 8192 tokens) and reduce it with a second kernel.
+  not given), a gather; its backward is permute's write times the weights, and in the same pass
+  the weight gradient, a dot product per slot.
+On CUDA these are Triton kernels that read each row once and write each token once (and the
+reverse): the eager twins (`*_reference`) materialise the [N, k, H] block of a token's slots (268
+MB per MoE layer for a Qwen3-30B-A3B micro-batch of 8192 tokens) and reduce it with a second
+kernel.
 """
 
 import torch
@@ -44,10 +48,15 @@ def sort_by_expert(expert_ids: torch.Tensor, num_experts: int):
 
 # --- torch twins -------------------------------------------------------------------------------
 
-def gather_rows_reference(src, order, k, scale=None):
-    """dst[i] = scale[i] * src[order[i] // k]."""
-    out = src.index_select(0, torch.div(order, k, rounding_mode="floor"))
-    return out if scale is None else out * scale[:, None].to(out.dtype)
+def scatter_rows_reference(src, pos, k, M, weights=None):
+    """dst [M, H]: dst[pos[t * k + j]] = weights[t, j] * src[t] for every pair with a row (pos < M)."""
+    per_slot = src.repeat_interleave(k, dim=0)
+    if weights is not None:
+        per_slot = per_slot * weights.reshape(-1, 1).to(per_slot.dtype)
+    keep = pos < M
+    dst = src.new_zeros(M, src.shape[1])
+    dst[pos[keep]] = per_slot[keep]
+    return dst
 
 
 def _slots(rows, pos):
@@ -75,15 +84,23 @@ def slot_dots_reference(rows, dout, pos, k):
 if triton is not None:
 
     @triton.jit
-    def _gather_rows_kernel(src_ptr, order_ptr, scale_ptr, dst_ptr, H, K: tl.constexpr, SCALE: tl.constexpr,
-                            BLOCK: tl.constexpr):
-        i, cols = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    def _scatter_rows_kernel(src_ptr, pos_ptr, w_ptr, dst_ptr, rows_ptr, dw_ptr, M, H, K: tl.constexpr,
+                             SCALE: tl.constexpr, DOTS: tl.constexpr, BLOCK: tl.constexpr):
+        """Token t's row read once and written to each of its slots' rows (times its weight with
+        SCALE); with DOTS (BLOCK covers the row) also dw[t, j] = rows[pos] . src[t]."""
+        t, cols = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < H
-        pair = tl.load(order_ptr + i)
-        v = tl.load(src_ptr + (pair // K) * H + cols, mask=mask).to(tl.float32)
-        if SCALE:
-            v = v * tl.load(scale_ptr + i).to(tl.float32)
-        tl.store(dst_ptr + i * H + cols, v.to(dst_ptr.dtype.element_ty), mask=mask)
+        v = tl.load(src_ptr + t * H + cols, mask=mask, other=0.0).to(tl.float32)
+        for j in range(K):
+            p = tl.load(pos_ptr + t * K + j)
+            row_mask = mask & (cols * 0 + p < M)  # pos = M: the pair has no row
+            out = v
+            if SCALE:
+                out = v * tl.load(w_ptr + t * K + j).to(tl.float32)
+            tl.store(dst_ptr + p * H + cols, out.to(dst_ptr.dtype.element_ty), mask=row_mask)
+            if DOTS:
+                r = tl.load(rows_ptr + tl.where(p < M, p, 0) * H + cols, mask=row_mask, other=0.0)
+                tl.store(dw_ptr + t * K + j, tl.sum(r.to(tl.float32) * v, axis=0))
 
     @triton.jit
     def _sum_slots_kernel(rows_ptr, pos_ptr, w_ptr, out_ptr, M, H, K: tl.constexpr, WEIGHTED: tl.constexpr,
@@ -100,31 +117,28 @@ if triton is not None:
             acc += v
         tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit
-    def _slot_dots_kernel(rows_ptr, dout_ptr, pos_ptr, dw_ptr, M, H, K: tl.constexpr, BLOCK_H: tl.constexpr):
-        pair = tl.program_id(0).to(tl.int64)
-        p = tl.load(pos_ptr + pair)
-        cols = tl.arange(0, BLOCK_H)  # the whole row at once (BLOCK_H: H rounded up to a power of 2)
-        mask = cols < H
-        r = tl.load(rows_ptr + tl.where(p < M, p, 0) * H + cols, mask=mask, other=0.0).to(tl.float32)
-        d = tl.load(dout_ptr + (pair // K) * H + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dw_ptr + pair, tl.sum(r * d, axis=0) * (p < M).to(tl.float32))
+TILE = {"block": 2048, "warps": 4}  # columns per program, warps: best of 8 (kernels.py --sweep, H200, 2026-12-03)
 
 
-TILE = {"block": 2048, "warps": 4}  # columns per program, warps: the best of 8 in benchmarks/kernels.py --sweep (H200)
-
-
-def gather_rows(src, order, k, scale=None):
+def scatter_rows(src, pos, k, M, weights=None, rows=None):
+    """`scatter_rows_reference` (each pair's row written once: no atomics); with `rows` [M, H] also
+    returns `slot_dots_reference(rows, src, pos, k)`, from the same read of src."""
     if not use_triton(src):
-        return gather_rows_reference(src, order, k, scale)
+        dst = scatter_rows_reference(src, pos, k, M, weights)
+        return dst if rows is None else (dst, slot_dots_reference(rows, src, pos, k))
     src = src.contiguous()
-    H = src.shape[1]
-    dst = src.new_empty(order.shape[0], H)
-    if order.shape[0]:
-        _gather_rows_kernel[(order.shape[0], triton.cdiv(H, TILE["block"]))](
-            src, order, scale if scale is not None else order, dst, H, K=k, SCALE=scale is not None,
-            BLOCK=TILE["block"], num_warps=TILE["warps"])
-    return dst
+    N, H = src.shape
+    dst = src.new_empty(M, H)
+    dw = torch.empty(N * k, dtype=torch.float32, device=src.device) if rows is not None else None
+    block = triton.next_power_of_2(H) if rows is not None else TILE["block"]  # dots: the whole row
+    if N and M:
+        _scatter_rows_kernel[(N, triton.cdiv(H, block))](
+            src, pos, weights.contiguous() if weights is not None else pos, dst,
+            rows.contiguous() if rows is not None else src, dw if dw is not None else pos, M, H, K=k,
+            SCALE=weights is not None, DOTS=rows is not None, BLOCK=block, num_warps=TILE["warps"])
+    elif dw is not None:
+        dw.zero_()
+    return dst if rows is None else (dst, dw.view(-1, k))
 
 
 def sum_slots(rows, pos, k, weights=None):
@@ -140,16 +154,6 @@ def sum_slots(rows, pos, k, weights=None):
     return out
 
 
-def slot_dots(rows, dout, pos, k):
-    if not use_triton(rows) or rows.shape[0] == 0:
-        return slot_dots_reference(rows, dout, pos, k)
-    dw = torch.empty(pos.shape[0], dtype=torch.float32, device=rows.device)
-    if pos.shape[0]:
-        _slot_dots_kernel[(pos.shape[0],)](rows.contiguous(), dout.contiguous(), pos, dw, rows.shape[0],
-                                           rows.shape[1], K=k, BLOCK_H=triton.next_power_of_2(rows.shape[1]))
-    return dw.view(-1, k)
-
-
 # --- autograd ----------------------------------------------------------------------------------
 
 class _Permute(torch.autograd.Function):
@@ -157,7 +161,7 @@ class _Permute(torch.autograd.Function):
     def forward(ctx, x, order, pos, k):
         ctx.save_for_backward(pos)
         ctx.k = k
-        return gather_rows(x, order, k)
+        return scatter_rows(x, pos, k, order.shape[0])
 
     @staticmethod
     def backward(ctx, grad):
@@ -175,11 +179,11 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         rows, weights, order, pos = ctx.saved_tensors
-        k = ctx.k
-        scale = weights.reshape(-1).index_select(0, order) if weights is not None else None
-        drows = gather_rows(dout, order, k, scale)
-        dweights = slot_dots(rows, dout, pos, k).to(weights.dtype) if ctx.needs_input_grad[1] else None
-        return drows, dweights, None, None, None
+        M = order.shape[0]
+        if not ctx.needs_input_grad[1]:
+            return scatter_rows(dout, pos, ctx.k, M, weights), None, None, None, None
+        drows, dweights = scatter_rows(dout, pos, ctx.k, M, weights, rows=rows)
+        return drows, dweights.to(weights.dtype), None, None, None
 
 
 def permute(x: torch.Tensor, order: torch.Tensor, pos: torch.Tensor, k: int) -> torch.Tensor:
