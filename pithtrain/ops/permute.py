@@ -117,7 +117,10 @@ if triton is not None:
             acc += v
         tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
-TILE = {"block": 2048, "warps": 4}  # columns per program, warps: best of 8 (kernels.py --sweep, H200, 2026-12-03)
+
+# Columns per program and warps: the best of 8 tiles (kernels.py --sweep, H200, 2026-12-03) for the
+# combine and for the gather kernel that permute used then; the scatter kernel was not swept again.
+TILE = {"block": 2048, "warps": 4}
 
 
 def scatter_rows(src, pos, k, M, weights=None, rows=None):
