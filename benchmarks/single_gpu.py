@@ -118,8 +118,8 @@ def main() -> None:
     p.add_argument("--ce-chunk", type=int, default=0, help="rows per chunk of the fused head + cross-entropy "
                    "(default: ops/cross_entropy.CHUNK)")
     args = p.parse_args()
+    from pithtrain.ops import cross_entropy
     if args.ce_chunk:
-        from pithtrain.ops import cross_entropy
         cross_entropy.CHUNK = args.ce_chunk
     with open(os.path.join(EXAMPLES, args.model, "config.json")) as f:
         cfg = {**json.load(f), "num_hidden_layers": args.layers}
@@ -159,7 +159,6 @@ def main() -> None:
             opt.zero_grad(set_to_none=True)
 
         results["ours"] = measure(step_ours, args, tokens, fpt, ceiling)
-        from pithtrain.ops import cross_entropy
         est = estimate(ours, tokens=tokens, param_dtype=args.weights, autocast=args.weights == "fp32",
                        recompute=args.recompute, ce_chunk=cross_entropy.CHUNK, accumulate=False)  # one micro-batch a step
         results["ours"]["estimate_gb"] = est.total / 2**30

@@ -66,7 +66,6 @@ def test_a_step_of_one_micro_batch_walks_the_backward():
         one = estimate(model, tokens=tokens, param_dtype="bf16", accumulate=False)
         assert acc.backward_peak is None and one.backward_peak is not None
         assert one.total < acc.total and one.backward_peak >= max(one.gradients, one.activations + one.head)
-        assert acc.total - one.total <= one.gradients + one.activations + one.head  # nothing counted twice
     assert estimate(model, tokens=16, param_dtype="bf16", accumulate=False).backward_peak == one.gradients
     huge = estimate(model, tokens=1 << 20, param_dtype="bf16", accumulate=False)
     assert huge.backward_peak == pytest.approx(huge.activations + huge.head)  # the start of backward

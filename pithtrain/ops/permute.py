@@ -93,7 +93,7 @@ if triton is not None:
         v = tl.load(src_ptr + t * H + cols, mask=mask, other=0.0).to(tl.float32)
         for j in range(K):
             p = tl.load(pos_ptr + t * K + j)
-            row_mask = mask & (cols * 0 + p < M)  # pos = M: the pair has no row
+            row_mask = mask & (cols * 0 + p < M)  # pos = M: the pair has no row (a tile-shaped mask)
             out = v
             if SCALE:
                 out = v * tl.load(w_ptr + t * K + j).to(tl.float32)
@@ -175,14 +175,14 @@ class _Permute(torch.autograd.Function):
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, weights, order, pos, k):
-        ctx.save_for_backward(rows, weights, order, pos)
+        ctx.save_for_backward(rows, weights, pos)
         ctx.k = k
         return sum_slots(rows, pos, k, weights)
 
     @staticmethod
     def backward(ctx, dout):
-        rows, weights, order, pos = ctx.saved_tensors
-        M = order.shape[0]
+        rows, weights, pos = ctx.saved_tensors
+        M = rows.shape[0]
         if not ctx.needs_input_grad[1]:
             return scatter_rows(dout, pos, ctx.k, M, weights), None, None, None, None
         drows, dweights = scatter_rows(dout, pos, ctx.k, M, weights, rows=rows)

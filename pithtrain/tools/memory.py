@@ -121,7 +121,8 @@ def estimate(model: nn.Module, *, tokens: int, param_dtype: str = "fp32", autoca
     ra, rx = recompute in ("attention", "both"), recompute in ("experts", "both")
     kept = [layer_activation_bytes(layer, a, ra, rx) for layer in layers]
     full = [layer_activation_bytes(layer, a, False, False) for layer in layers]
-    acts = tokens * (sum(kept) + max(f - k for f, k in zip(full, kept)))  # + the layer being recomputed
+    recomputed = tokens * max(f - k for f, k in zip(full, kept))  # the layer being recomputed, in backward
+    acts = tokens * sum(kept) + recomputed
     hidden = head.shape[1]
     dw = 4 if tokens > ce_chunk else state  # the head's dW: an fp32 accumulator over several chunks
     head_bytes = dw * head.numel() + tokens * hidden * 3 * a + min(ce_chunk, tokens) * head.shape[0] * a
@@ -130,7 +131,7 @@ def estimate(model: nn.Module, *, tokens: int, param_dtype: str = "fp32", autoca
     if not accumulate:
         grads = [sum(p.numel() for p in layer.parameters()) * state / world for layer in layers]
         held = head.numel() * state / world  # the head's gradient, once its backward is done
-        walk = [acts - tokens * max(f - k for f, k in zip(full, kept)) + head_bytes, est.gradients]
+        walk = [acts - recomputed + head_bytes, est.gradients]
         for i in reversed(range(len(layers))):  # layer i's backward: its gradients next to its activations
             walk.append(held + grads[i] + tokens * (sum(kept[:i + 1]) + full[i] - kept[i]))
             held += grads[i]
