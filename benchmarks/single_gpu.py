@@ -42,9 +42,23 @@ def flops_per_token(model, seq: int) -> float:
     return 6 * active + 3 * attn
 
 
-def time_steps(step, warmup: int, steps: int) -> float:
+def time_steps(step, warmup: int, steps: int, protocol: str = "step") -> float:
+    """Median seconds per step. `step`: the GPU drained after every step (events around it).
+    `trainer`: as a training loop runs, `step(True)` reads the loss after backward (the one host
+    synchronisation of `pithtrain train` and of HF's Trainer) and nothing waits for the optimizer, so
+    the host launches the next forward while the update runs; a step is the time between the
+    events recorded at consecutive step starts."""
     for _ in range(warmup):
         step()
+    torch.cuda.synchronize()
+    if protocol == "trainer":
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        for i in range(steps):
+            events[i].record()
+            step(True)
+        events[-1].record()
+        torch.cuda.synchronize()
+        return statistics.median(a.elapsed_time(b) / 1000 for a, b in zip(events, events[1:]))
     times = []
     for _ in range(steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -64,10 +78,14 @@ def matmul_ceiling() -> float:
 
 
 def measure(step, args, tokens: int, fpt: float, ceiling: float) -> dict:
+    """Both timing protocols of `time_steps`; tokens/s and TFLOP/s are the `step` protocol's, the
+    `trainer` protocol's tokens/s beside them."""
     torch.cuda.reset_peak_memory_stats()
     t = time_steps(step, args.warmup, args.steps)
+    t_trainer = time_steps(step, 1, args.steps, "trainer")
     tflops = fpt * tokens / t / 1e12
     return dict(step_s=t, tokens_per_s=tokens / t, tflops=tflops, mfu_989=tflops / 989, mfu_ceiling=tflops / ceiling,
+                trainer_step_s=t_trainer, trainer_tokens_per_s=tokens / t_trainer,
                 peak_gb=torch.cuda.max_memory_allocated() / 2**30)
 
 
@@ -85,7 +103,7 @@ def profile(step, out_dir: str) -> None:
             step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=70, max_name_column_width=90)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=120, max_name_column_width=90)
     spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
     busy, end = 0.0, float("-inf")
     for a, b in spans:
@@ -151,10 +169,12 @@ def main() -> None:
             ours.compile_dense()
         opt = AdamW(ours.parameters(), lr=1e-4, fused=True)  # ours: one Triton kernel per parameter
 
-        def step_ours():
+        def step_ours(read_loss: bool = False):
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.weights == "fp32"):
                 loss = ours(inputs, labels=labels) / tokens
             loss.backward()
+            if read_loss:
+                loss.item()
             opt.step()
             opt.zero_grad(set_to_none=True)
 
@@ -180,10 +200,12 @@ def main() -> None:
         del state
         hopt = torch.optim.AdamW(hf.parameters(), lr=1e-4, fused=True)
 
-        def step_hf():
+        def step_hf(read_loss: bool = False):
             logits = hf(input_ids=inputs).logits
             loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
             loss.backward()
+            if read_loss:
+                loss.item()
             hopt.step()
             hopt.zero_grad(set_to_none=True)
 
@@ -192,6 +214,8 @@ def main() -> None:
             profile(step_hf, os.path.join(args.profile, "hf"))
     if "ours" in results and "hf" in results:
         results["ratio_tokens_per_s"] = results["ours"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
+        results["ratio_trainer_tokens_per_s"] = (results["ours"]["trainer_tokens_per_s"]
+                                                 / results["hf"]["trainer_tokens_per_s"])
         results["ratio_peak_mem"] = results["ours"]["peak_gb"] / results["hf"]["peak_gb"]
     results["config"] = dict(model=args.model, layers=args.layers, seq=args.seq, mbs=args.mbs, steps=args.steps,
                              weights=args.weights, compile=args.compile, recompute=args.recompute, ce_chunk=args.ce_chunk,
