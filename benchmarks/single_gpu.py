@@ -7,7 +7,8 @@ Builds a `--layers`-layer proxy of an example model (`examples/<model>/config.js
 DeepSeek-V2-Lite, GPT-OSS-20B), initialises ours, loads the same weights into the transformers
 model (grouped_mm experts; SDPA attention, flex_attention for GPT-OSS whose SDPA path transformers
 does not support), and times training steps of each (AdamW, warm-up steps first, CUDA events,
-median). Ours runs as it trains: fp32 master weights under bf16 autocast (`--weights fp32`), or with bf16
+median) under three protocols (`time_steps`: drained after each step, the headline; the loss read
+after backward as a trainer does; no host synchronisation). Ours runs as it trains: fp32 master weights under bf16 autocast (`--weights fp32`), or with bf16
 weights and AdamW states as the HF side (`--weights bf16`). HF runs as its harness in
 docs/performance.md does: bf16 weights, fused AdamW. MFU is given against 989 TFLOP/s (the H200's
 dense bf16 figure) and against a bf16 8192^3 matmul measured in the same run.
@@ -47,15 +48,16 @@ def time_steps(step, warmup: int, steps: int, protocol: str = "step") -> float:
     `trainer`: as a training loop runs, `step(True)` reads the loss after backward (the one host
     synchronisation of `pithtrain train` and of HF's Trainer) and nothing waits for the optimizer, so
     the host launches the next forward while the update runs; a step is the time between the
-    events recorded at consecutive step starts."""
+    events recorded at consecutive step starts. `pipelined`: as `trainer` with no host
+    synchronisation at all, the bound that a host which never waits would reach."""
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
-    if protocol == "trainer":
+    if protocol in ("trainer", "pipelined"):
         events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
         for i in range(steps):
             events[i].record()
-            step(True)
+            step(protocol == "trainer")
         events[-1].record()
         torch.cuda.synchronize()
         return statistics.median(a.elapsed_time(b) / 1000 for a, b in zip(events, events[1:]))
@@ -83,15 +85,18 @@ def measure(step, args, tokens: int, fpt: float, ceiling: float) -> dict:
     torch.cuda.reset_peak_memory_stats()
     t = time_steps(step, args.warmup, args.steps)
     t_trainer = time_steps(step, 1, args.steps, "trainer")
+    t_pipelined = time_steps(step, 1, args.steps, "pipelined")
     tflops = fpt * tokens / t / 1e12
     return dict(step_s=t, tokens_per_s=tokens / t, tflops=tflops, mfu_989=tflops / 989, mfu_ceiling=tflops / ceiling,
                 trainer_step_s=t_trainer, trainer_tokens_per_s=tokens / t_trainer,
+                pipelined_tokens_per_s=tokens / t_pipelined,
                 peak_gb=torch.cuda.max_memory_allocated() / 2**30)
 
 
 def profile(step, out_dir: str) -> None:
-    """Two profiled steps: the CUDA kernel table (by total time) printed and saved, a trace, and the
-    GPU's busy time (the union of kernel intervals) against the wall time of the steps."""
+    """Two profiled steps of the `trainer` protocol (loss read after backward): the CUDA kernel
+    table (by total time) printed and saved, a trace, and the GPU's busy time (the union of kernel
+    intervals) against the wall time of the steps."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
@@ -100,7 +105,7 @@ def profile(step, out_dir: str) -> None:
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         for _ in range(2):
-            step()
+            step(True)
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=120, max_name_column_width=90)
@@ -214,8 +219,9 @@ def main() -> None:
             profile(step_hf, os.path.join(args.profile, "hf"))
     if "ours" in results and "hf" in results:
         results["ratio_tokens_per_s"] = results["ours"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
-        results["ratio_trainer_tokens_per_s"] = (results["ours"]["trainer_tokens_per_s"]
-                                                 / results["hf"]["trainer_tokens_per_s"])
+        for protocol in ("trainer", "pipelined"):
+            results[f"ratio_{protocol}_tokens_per_s"] = (results["ours"][f"{protocol}_tokens_per_s"]
+                                                         / results["hf"][f"{protocol}_tokens_per_s"])
         results["ratio_peak_mem"] = results["ours"]["peak_gb"] / results["hf"]["peak_gb"]
     results["config"] = dict(model=args.model, layers=args.layers, seq=args.seq, mbs=args.mbs, steps=args.steps,
                              weights=args.weights, compile=args.compile, recompute=args.recompute, ce_chunk=args.ce_chunk,

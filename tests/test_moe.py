@@ -179,23 +179,3 @@ def test_ring_attention_block_math_matches_attend(heads, kv_heads, dim, v_dim, w
     want = torch.autograd.grad((ref * g).sum(), inputs)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-
-
-def test_stacked_linear_equals_the_separate_layers():
-    """One GEMM over stacked weights gives each layer's output and the same gradients, also when
-    only some of the layers have a bias (MLA's q_proj has none, its latent projection may)."""
-    from pithtrain.layers.attention import stacked_linear
-
-    torch.manual_seed(0)
-    layers = [torch.nn.Linear(16, 24, bias=False), torch.nn.Linear(16, 8, bias=True), torch.nn.Linear(16, 8)]
-    x = torch.randn(3, 5, 16, requires_grad=True)
-    outs = stacked_linear(x, *layers)
-    refs = [m(x) for m in layers]
-    seeds = [torch.randn_like(r) for r in refs]
-    leaves = [x, *(p for m in layers for p in m.parameters())]
-    grads = torch.autograd.grad(sum((o * s).sum() for o, s in zip(outs, seeds)), leaves)
-    want = torch.autograd.grad(sum((r * s).sum() for r, s in zip(refs, seeds)), leaves)
-    for o, r in zip(outs, refs):
-        torch.testing.assert_close(o, r)
-    for g, w in zip(grads, want):
-        torch.testing.assert_close(g, w)

@@ -136,18 +136,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | 
     return out.transpose(1, 2).reshape(B, S, -1)
 
 
-def stacked_linear(x: torch.Tensor, *linears: nn.Linear) -> tuple[torch.Tensor, ...]:
-    """The outputs of several linear layers of the same input, by one GEMM over their weights
-    stacked (q, k and v; MLA's query and latent projections). In backward one dX GEMM (K = all
-    outputs) replaces one per layer and the adds of their results; the stacking copies the
-    weights (a few MB), a small cost beside a GEMM over every token."""
-    weight = torch.cat([m.weight for m in linears])
-    bias = None
-    if any(m.bias is not None for m in linears):  # a layer without a bias adds zeros
-        bias = torch.cat([m.weight.new_zeros(m.out_features) if m.bias is None else m.bias for m in linears])
-    return F.linear(x, weight, bias).split([m.out_features for m in linears], dim=-1)
-
-
 class GQAttention(nn.Module):
     """Causal GQA: `heads` query heads share `kv_heads` key/value heads of size `head_dim`.
     Options: biases, per-head q/k RMSNorm (Qwen3), a sliding window and sinks (GPT-OSS)."""
@@ -167,8 +155,9 @@ class GQAttention(nn.Module):
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         B, S, _ = x.shape
         cos, sin = ctx.cos, ctx.sin
-        q, k, v = stacked_linear(x, self.q_proj, self.k_proj, self.v_proj)
-        q, k, v = (t.view(B, S, -1, self.head_dim) for t in (q, k, v))
+        q = self.q_proj(x).view(B, S, self.heads, self.head_dim)
+        k = self.k_proj(x).view(B, S, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, S, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -204,11 +193,10 @@ class MLAttention(nn.Module):
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         B, S, _ = x.shape
         cos, sin = ctx.cos, ctx.sin
-        q, kv_a = stacked_linear(x, self.q_a_proj if self.q_lora else self.q_proj, self.kv_a_proj_with_mqa)
-        q = self.q_b_proj(self.q_a_layernorm(q)) if self.q_lora else q
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
         q = q.view(B, S, self.heads, -1).transpose(1, 2)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        latent, k_rope = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, S, self.heads, -1).transpose(1, 2)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         q_rope = apply_rope(q_rope, cos, sin, self.interleaved)
