@@ -337,10 +337,11 @@ def test_a_run_that_cannot_fit_is_refused_before_allocation():
     with pytest.raises(ConfigError, match=r"does not fit on 1 rank\(s\): estimated peak 5\d\d\.\d\d GB .*"
                                           r"weights 113\.74 GB.*To fit: more ranks"):
         check_fits(one, h200, 1)
-    eight = estimate_for_run(load_config(toml, []), world=8)
+    eight = estimate_for_run(load_config(toml, []), world=8, data_ranks=8)  # dp8, as the loop passes it
     check_fits(eight, h200, 8)
     assert 60 * GB < eight.total < 139 * GB
-    big = estimate_for_run(load_config(toml, ["data.micro_batch_size=8", "data.global_batch_size=64"]), world=8)
+    big = estimate_for_run(load_config(toml, ["data.micro_batch_size=8", "data.global_batch_size=64"]), world=8,
+                          data_ranks=8)  # one micro-batch a step per rank: the backward walk
     assert big.activations == pytest.approx(8 * eight.activations)
     with pytest.raises(ConfigError, match=r"on 8 rank.*To fit: train.recompute=both"):
         check_fits(big, h200, 8)
