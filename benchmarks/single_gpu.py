@@ -8,8 +8,9 @@ DeepSeek-V2-Lite, GPT-OSS-20B), initialises ours, loads the same weights into th
 model (grouped_mm experts; SDPA attention, flex_attention for GPT-OSS whose SDPA path transformers
 does not support), and times training steps of each (AdamW, warm-up steps first, CUDA events,
 median) under three protocols (`time_steps`: drained after each step, the headline; the loss read
-after backward as a trainer does; no host synchronisation). Ours runs as it trains: fp32 master weights under bf16 autocast (`--weights fp32`), or with bf16
-weights and AdamW states as the HF side (`--weights bf16`). HF runs as its harness in
+after backward as a trainer does; no host synchronisation). Ours runs as it trains: fp32 master
+weights under bf16 autocast (`--weights fp32`), or with bf16 weights and AdamW states as the HF
+side (`--weights bf16`). HF runs as its harness in
 docs/performance.md does: bf16 weights, fused AdamW. MFU is given against 989 TFLOP/s (the H200's
 dense bf16 figure) and against a bf16 8192^3 matmul measured in the same run.
 Model FLOPs per token (training = 3 x forward): 6 * active parameters without the input
@@ -80,8 +81,8 @@ def matmul_ceiling() -> float:
 
 
 def measure(step, args, tokens: int, fpt: float, ceiling: float) -> dict:
-    """Both timing protocols of `time_steps`; tokens/s and TFLOP/s are the `step` protocol's, the
-    `trainer` protocol's tokens/s beside them."""
+    """The three protocols of `time_steps`; TFLOP/s and MFU are the `step` protocol's, the other
+    two protocols' tokens/s beside its own."""
     torch.cuda.reset_peak_memory_stats()
     t = time_steps(step, args.warmup, args.steps)
     t_trainer = time_steps(step, 1, args.steps, "trainer")
