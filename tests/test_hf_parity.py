@@ -22,6 +22,8 @@ CASES = {
     "deepseek_v3-half_split_rope": dict(DEEPSEEK_V3, rope_interleave=False),
     "gpt_oss": GPT_OSS,
     "gpt_oss-clamped": dict(GPT_OSS, swiglu_limit=0.5),  # the clamps of the SwiGLU bite
+    # head_dim and rope_scaling left out: GptOssConfig's defaults (64, YaRN) even with rope_theta given
+    "gpt_oss-defaults": {k: v for k, v in GPT_OSS.items() if k not in ("head_dim", "rope_scaling")},
 }
 HF_CLASS = {"qwen3_moe": "Qwen3Moe", "deepseek_v2": "DeepseekV2", "deepseek_v3": "DeepseekV3", "gpt_oss": "GptOss"}
 
@@ -79,3 +81,12 @@ def test_model_matches_transformers(case):
         g = theirs_params[name].grad
         assert p.grad is not None and g is not None, name
         assert rel(p.grad, g) < 1e-5, (name, rel(p.grad, g))
+
+
+@pytest.mark.parametrize("cfg, field", [(dict(DEEPSEEK_V3, mlp_bias=True), "mlp_bias"),
+                                        (dict(QWEN3, attention_dropout=0.1), "attention_dropout"),
+                                        (dict(GPT_OSS, attention_dropout=0.5), "attention_dropout")])
+def test_fields_transformers_reads_otherwise_are_refused(cfg, field):
+    """A field we would build differently from transformers is refused, never silently dropped."""
+    with pytest.raises(ValueError, match=field):
+        build_model(cfg)

@@ -8,6 +8,9 @@ SUPPORTED = ["qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss"]
 
 def build_model(hf: dict, balance: BalanceOptions | None = None, layer_ids: list[int] | None = None) -> CausalLM:
     balance = balance or BalanceOptions()
+    if hf.get("attention_dropout"):  # every family here trains without attention dropout
+        raise ValueError(f"model.attention_dropout = {hf['attention_dropout']}: attention dropout is not "
+                         "supported; set it to 0.0")
     match hf.get("model_type"):
         case "qwen3_moe":
             from pithtrain.models import qwen3_moe

@@ -11,7 +11,9 @@ applied) and routed experts. Routing, by `topk_method`:
   only; groups ranked by the sum of their two best biased scores; weights from the unbiased
   scores, normalised if `norm_topk_prob`.
 The weights are multiplied by `routed_scaling_factor`. Parameter names are those of
-`transformers`' DeepseekV2ForCausalLM / DeepseekV3ForCausalLM.
+`transformers`' DeepseekV2ForCausalLM / DeepseekV3ForCausalLM. `moe_layer_freq` is honoured as in
+DeepSeek's own code (transformers ignores it; with the published value 1 the two agree).
+`mlp_bias` is refused for deepseek_v3, whose MLPs in transformers have no biases.
 """
 
 from pithtrain.layers.attention import MLAttention
@@ -61,6 +63,8 @@ def settings(hf: dict) -> dict:
     if kind == "deepseek_v2" and c["norm_topk_prob"]:
         raise ValueError("model.norm_topk_prob = true is not applied by deepseek_v2 routing in transformers; "
                          "set it to false (or use model_type deepseek_v3)")
+    if kind == "deepseek_v3" and c["mlp_bias"]:
+        raise ValueError("model.mlp_bias = true: transformers' DeepseekV3 MLPs have no biases; set it to false")
     if method == "greedy":
         c["n_group"] = c["topk_group"] = 1
     elif not c["n_group"] or not c["topk_group"]:

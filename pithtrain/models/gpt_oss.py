@@ -20,7 +20,7 @@ from pithtrain.layers.transformer import CausalLM, DecoderLayer
 from pithtrain.ops.swiglu import clamped_swiglu
 
 # Defaults of transformers' GptOssConfig for fields a config.json may leave out.
-DEFAULTS = dict(head_dim=None, sliding_window=128, layer_types=None, swiglu_alpha=1.702, swiglu_limit=7.0,
+DEFAULTS = dict(head_dim=64, sliding_window=128, layer_types=None, swiglu_alpha=1.702, swiglu_limit=7.0,
                 attention_bias=True, rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.02,
                 hidden_act="silu", max_position_embeddings=131072,
                 rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -34,11 +34,10 @@ def settings(hf: dict) -> dict:
     c = {**DEFAULTS, **hf}
     if "num_local_experts" not in hf and "num_experts" in hf:
         c["num_local_experts"] = hf["num_experts"]
-    if "rope_scaling" in hf or "rope_theta" in hf:  # old-style rope fields replace the default dict
-        c["rope_parameters"] = hf.get("rope_parameters") or {}
-        c.setdefault("rope_theta", 150000.0)
-    elif "rope_theta" not in c["rope_parameters"]:
-        c["rope_parameters"] = {**c["rope_parameters"], "rope_theta": 150000.0}
+    # As GptOssConfig: the given rope_parameters, else an old-style rope_scaling (merged in by
+    # rope_parameters()), else the default YaRN; rope_theta from the top level, else 150000.
+    given = hf.get("rope_parameters") or ({} if hf.get("rope_scaling") else DEFAULTS["rope_parameters"])
+    c["rope_parameters"] = {"rope_theta": hf.get("rope_theta", 150000.0), **given}
     missing = [k for k in REQUIRED if k not in c]
     if missing:
         raise ValueError(f"config.json of this GPT-OSS model lacks the fields {missing}")
