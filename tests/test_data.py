@@ -5,6 +5,7 @@ import glob
 import json
 import logging
 import os
+import sys
 
 import numpy as np
 import pyarrow as pa
@@ -357,3 +358,77 @@ def test_cli(tmp_path, tok_path, capsys):
     args = parser.parse_args([str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "c2"), "--tokenizer", tok_path])
     assert D.run_build_corpus(args) == 2
     assert "line 3" in capsys.readouterr().err
+
+
+def test_saved_truncation_and_padding_are_ignored(tmp_path, tok_path):
+    """A tokenizer.json saved with truncation / padding settings must not cut documents or write pad tokens."""
+    t = Tokenizer.from_file(tok_path)
+    t.enable_truncation(max_length=4)
+    t.enable_padding(pad_id=0, pad_token="<|endoftext|>")
+    t.save(str(tmp_path / "trunc.json"))
+    src = write_jsonl(tmp_path / "d.jsonl", DOCS)
+    for name, tok in (("plain", tok_path), ("trunc", str(tmp_path / "trunc.json"))):
+        D.build_corpus([src], str(tmp_path / name), tok, val_fraction=0.2, workers=1)
+    for name in ("train.bin", "val.bin", "train.idx.npy", "val.idx.npy"):
+        assert (tmp_path / "plain" / name).read_bytes() == (tmp_path / "trunc" / name).read_bytes(), name
+
+
+def test_tokenizer_fingerprint(tmp_path, tok_path):
+    """Same fingerprint => same ids: a normalizer changes it; formatting and truncation settings do not."""
+    lower = dict(json.load(open(tok_path)), normalizer={"type": "Lowercase"})
+    (tmp_path / "lower.json").write_text(json.dumps(lower))
+    assert Tokenizer.from_file(str(tmp_path / "lower.json")).encode("Hello").ids != \
+        Tokenizer.from_file(tok_path).encode("Hello").ids
+    t = Tokenizer.from_file(tok_path)
+    t.enable_truncation(max_length=8)
+    t.save(str(tmp_path / "resaved.json"), pretty=False)
+    fp = D.tokenizer_fingerprint(tok_path)
+    assert D.tokenizer_fingerprint(str(tmp_path / "lower.json")) != fp
+    assert D.tokenizer_fingerprint(str(tmp_path / "resaved.json")) == fp
+
+
+def test_overwrite_replaces_only_a_corpus(tmp_path, tok_path):
+    mine = tmp_path / "mine"  # some other tool's meta.json next to the user's files
+    mine.mkdir()
+    (mine / "meta.json").write_text('{"dataset": "mine"}')
+    raw = write_jsonl(mine / "raw.jsonl", DOCS)
+    (mine / "NOTES.txt").write_text("notes")
+    with pytest.raises(D.CorpusError, match="not an empty directory"):
+        D.build_corpus([raw], str(mine), tok_path, workers=1, overwrite=True)
+    assert sorted(os.listdir(mine)) == ["NOTES.txt", "meta.json", "raw.jsonl"]
+    good = write_jsonl(tmp_path / "good.jsonl", DOCS)
+    out = tmp_path / "c"
+    D.build_corpus([good], str(out), tok_path, workers=1)
+    with pytest.raises(D.CorpusError, match="inside the output"):
+        D.build_corpus([str(out)], str(out), tok_path, workers=1, overwrite=True)
+    meta = (out / "meta.json").read_text()
+    (out / "NOTES.txt").write_text("notes")
+    with pytest.raises(D.CorpusError, match=r"other files \['NOTES.txt'\]"):
+        D.build_corpus([good], str(out), tok_path, workers=1, overwrite=True, seed=3)
+    assert (out / "NOTES.txt").exists() and (out / "meta.json").read_text() == meta
+
+
+def test_build_into_the_empty_current_directory(tmp_path, tok_path, monkeypatch):
+    good = write_jsonl(tmp_path / "good.jsonl", DOCS)
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    with pytest.raises(D.CorpusError, match="eos"):
+        D.build_corpus([good], ".", tok_path, eos_token="<nope>", workers=1)
+    assert os.listdir(".") == []  # an error leaves it empty
+    D.build_corpus([good], ".", tok_path, workers=1)
+    assert sorted(os.listdir(".")) == sorted(D.CORPUS_FILES) and sorted(decoded_docs(".")) == sorted(DOCS)
+    meta = D.build_corpus([good], ".", tok_path, workers=1, overwrite=True, seed=5)  # replaced in place
+    assert sorted(os.listdir(".")) == sorted(D.CORPUS_FILES) and json.load(open("meta.json")) == meta
+    assert sorted(os.listdir(tmp_path)) == ["good.jsonl", "here"]
+    assert len(D.PackedDataset(".", "train", 8)) > 0
+
+
+@pytest.mark.parametrize("fmt", ["zst", "parquet"])
+def test_missing_optional_package(tmp_path, tok_path, monkeypatch, fmt):
+    src = write_zst(tmp_path / "d.jsonl.zst", DOCS) if fmt == "zst" else write_parquet(tmp_path / "d.parquet", DOCS)
+    for module in ["zstandard"] if fmt == "zst" else ["pyarrow", "pyarrow.parquet"]:
+        monkeypatch.setitem(sys.modules, module, None)  # as if the [data] extra were not installed
+    for skip in (False, True):  # not a bad file to skip either
+        with pytest.raises(D.CorpusError, match=r"needs the optional package .*pip install -e '\.\[data\]'"):
+            D.build_corpus([src], str(tmp_path / "c"), tok_path, workers=1, skip_bad_files=skip)
+    assert leftovers(tmp_path / "c") == []

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import glob
 import hashlib
+import importlib
 import json
 import logging
 import multiprocessing
@@ -38,6 +39,7 @@ FORMAT = 1
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>")
 DEMO_TEXT_CAP = 24 * 1024 * 1024  # bytes of UTF-8 text demo_texts() returns at most
 DOCS_PER_TASK = 256  # documents per encode_batch call (one worker task)
+CORPUS_FILES = ("meta.json", "tokenizer.json", "train.bin", "val.bin", "train.idx.npy", "val.idx.npy")
 SKIP_HINT = "fix or remove the file, or pass skip_bad_files=True (--skip-bad-files) to skip it"
 
 
@@ -64,12 +66,13 @@ def load_tokenizer(path: str) -> Tokenizer:
 
 
 def tokenizer_fingerprint(path: str) -> str:
-    """A short hash of a tokenizer.json's vocabulary (tokens and ids, added tokens included): two
-    files with the same fingerprint encode text to the same ids."""
-    import hashlib
-
-    vocab = load_tokenizer(path).get_vocab(with_added_tokens=True)
-    return hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()[:16]
+    """A short hash of the parts of a tokenizer.json that decide the ids (model: vocabulary and merges,
+    normalizer, pre-tokenizer, added tokens), as canonical JSON: two files with the same fingerprint encode text
+    to the same ids. Left out: the file's formatting, and truncation / padding / post-processor / decoder, which
+    do not change the ids the corpus builder writes (it encodes without them)."""
+    spec = json.loads(load_tokenizer(path).to_str())
+    parts = {k: spec.get(k) for k in ("model", "normalizer", "pre_tokenizer", "added_tokens")}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def find_eos_id(tok: Tokenizer, eos_token: str | None = None) -> int:
@@ -287,6 +290,8 @@ class _Encoder:
 
         self.tok = Tokenizer.from_str(tokenizer_json)
         self.tok.encode_special_tokens = True  # "<|endoftext|>" written inside a document stays plain text
+        self.tok.no_truncation()  # settings saved in a tokenizer.json would cut documents short
+        self.tok.no_padding()  # ... or write pad tokens into the corpus
         self.eos_id, self.dtype = eos_id, dtype
 
     def __call__(self, texts: list[str]) -> tuple[np.ndarray, list[int]]:
@@ -355,40 +360,78 @@ def build_corpus(inputs: list[str], out_dir: str, tokenizer: str | None, *, text
 
     ``inputs`` are files, directories or glob patterns, or ``["demo"]`` for the standard-library demo text.
     ``tokenizer`` None trains a byte-level BPE tokenizer of ``demo_vocab_size`` tokens on the inputs.
-    Everything is written to a temporary sibling directory that becomes ``out_dir`` only when complete, so
-    an error leaves nothing behind.  ``overwrite`` allows replacing a previous corpus (never other files).
+    Everything is written to a temporary directory whose files become ``out_dir``'s only when complete (a new
+    ``out_dir`` is renamed into place; into an existing one the files are moved, ``meta.json`` last), so an error
+    leaves nothing behind.  ``overwrite`` allows replacing a previous corpus (never other files).
     """
     if not 0.0 <= val_fraction < 1.0:
         raise CorpusError(f"val_fraction {val_fraction} must be in [0, 1)")
-    out_dir = os.path.normpath(out_dir)
-    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
-        if not os.path.isfile(os.path.join(out_dir, "meta.json")):
-            raise CorpusError(f"output {out_dir} exists and is not an empty directory; pass a new output directory")
+    out_dir = os.path.abspath(out_dir)  # "." has no name to make a sibling of; messages say where
+    existing = os.listdir(out_dir) if os.path.isdir(out_dir) else None
+    if os.path.exists(out_dir) and existing is None:
+        raise CorpusError(f"output {out_dir} exists and is not a directory; pass a new output directory")
+    if existing:
+        if not _is_corpus(out_dir):
+            raise CorpusError(f"output {out_dir} exists and is not an empty directory (nor a corpus): it holds "
+                              f"{sorted(existing)[:10]}; pass a new or empty output directory")
         if not overwrite:
             raise CorpusError(f"output {out_dir} already holds a corpus; pass a new output directory "
                               "(or overwrite=True / --overwrite to replace it)")
+        if extra := sorted(set(existing) - set(CORPUS_FILES)):
+            raise CorpusError(f"output {out_dir} holds a corpus and other files {extra[:10]}, which overwriting "
+                              "would delete; move them elsewhere, or pass a new output directory")
     if inputs == ["demo"]:
         sources = [("demo:python-stdlib", lambda: iter(demo_texts()))]
     elif inputs:
-        sources = [(p, lambda p=p: _read_documents(p, text_key)) for p in _expand_inputs(inputs)]
+        files = _expand_inputs(inputs)
+        inside = [f for f in files if os.path.realpath(f).startswith(os.path.join(os.path.realpath(out_dir), ""))]
+        if inside:
+            raise CorpusError(f"input {inside[0]} lies inside the output directory {out_dir}, which the corpus "
+                              "replaces; pass inputs from elsewhere, or another output directory")
+        for ext, module in ((".zst", "zstandard"), (".parquet", "pyarrow.parquet")):  # the [data] extra
+            named = [f for f in files if f.lower().endswith(ext)]
+            try:
+                if named:
+                    importlib.import_module(module)
+            except ImportError as e:  # said once, up front: a missing package is not a bad file to skip
+                pkg = module.partition(".")[0]
+                raise CorpusError(f"{named[0]}: reading {ext} files needs the optional package {pkg}, which is "
+                                  f"not installed; pip install -e '.[data]' (or pip install {pkg})") from e
+        sources = [(p, lambda p=p: _read_documents(p, text_key)) for p in files]
     else:
         raise CorpusError("no inputs given; pass files, directories or glob patterns (or 'demo')")
 
-    tmp, old = f"{out_dir}.tmp-{os.getpid()}", f"{out_dir}.old-{os.getpid()}"
+    # An existing directory (empty, or a corpus to replace) may be the current one, or one whose parent is not
+    # writable: its files are replaced one by one, built in a temporary directory inside it.
+    tmp = os.path.join(out_dir, f".tmp-{os.getpid()}") if existing is not None else f"{out_dir}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
         meta = _build(sources, tmp, tokenizer, val_fraction, workers, eos_token, skip_bad_files, demo_vocab_size,
                       seed)
-        if os.path.exists(out_dir):
-            os.replace(out_dir, old)  # an empty directory, or the previous corpus when overwriting
-        os.replace(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
+        if existing is None:
+            os.replace(tmp, out_dir)
+        else:
+            if existing:
+                os.remove(os.path.join(out_dir, "meta.json"))  # the old corpus is incomplete from here on
+            for name in sorted(os.listdir(tmp), key=lambda n: n == "meta.json"):  # meta.json marks it complete
+                os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
+            os.rmdir(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     logger.info("corpus written to %s: %s", out_dir, meta["splits"])
     return meta
+
+
+def _is_corpus(directory: str) -> bool:
+    """Whether ``directory`` holds a corpus: a meta.json written by build_corpus, not just any file of that name."""
+    try:
+        with open(os.path.join(directory, "meta.json")) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and meta.get("format") == FORMAT
 
 
 def _build(sources, tmp, tokenizer, val_fraction, workers, eos_token, skip_bad_files, demo_vocab_size, seed):
