@@ -228,7 +228,8 @@ def test_killed_saves_and_corrupt_checkpoints(tiny_corpus, tmp_path, point):
     assert proc.returncode == 2 and f"step-00000006: {flipped.name} is corrupt" in proc.stderr
     out = run_cli("train", toml, "train.steps=8", "checkpoint.every=2", "checkpoint.keep=5", "checkpoint.resume=auto")
     assert f"passed over: checkpoint {ckdir}/step-00000006: {flipped.name} is corrupt" in out.stdout
-    assert f"resumed from {ckdir}/step-00000002 at step 2" in out.stdout  # step 4 is truncated: not listed
+    assert f"passed over: checkpoint {ckdir}/step-00000004: {truncated.name} has 100 bytes" in out.stdout
+    assert f"resumed from {ckdir}/step-00000002 at step 2" in out.stdout
 
 
 def test_exact_resume_after_a_crash_under_dp2_x_ep2(tiny_corpus, tmp_path):

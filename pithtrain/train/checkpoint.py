@@ -7,10 +7,11 @@ Layout of `<dir>/step-NNNNNNNN/`:
   complete.json           written last: each file's size and CRC-32; its presence marks completion
 A save goes to `.tmp-step-NNNNNNNN/` and is renamed when complete, so a save killed at any point
 leaves the earlier checkpoints untouched and the partial one ignored (and removed at the next
-start). Only the newest `keep` complete checkpoints are kept. Listing checks sizes; loading
-checks every CRC (rank 0 reads the files, the verdict goes to all ranks), so a truncated or
-corrupted checkpoint is refused with its path and file named, and `resume=auto` passes over it
-to the newest valid one (`newest_valid`).
+start). A save keeps the newest `keep` checkpoints up to its step; newer ones are from a timeline
+abandoned by resuming an earlier checkpoint and are renamed to `.abandoned-step-NNNNNNNN/` (kept,
+not resumed by `resume=auto`). Listing checks sizes; loading checks every CRC (rank 0 reads the
+files, the verdict goes to all ranks), so a truncated or corrupted checkpoint is refused with its
+path and file named, and `resume=auto` passes over it to the newest valid one (`newest_valid`).
 
 Resharding: every tensor is stored whole (DCP records each rank's piece of it), so a checkpoint
 loads into any layout. FSDP-sharded parameters are DTensors already; under expert parallelism a
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import random
 import re
@@ -35,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -45,6 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 MARKER = "complete.json"
+logger = logging.getLogger("pithtrain.checkpoint")
 
 
 class CheckpointError(RuntimeError):
@@ -139,7 +143,7 @@ def _copy_back(pairs) -> None:
 
 def save(root: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
          trainer_state: dict, keep: int, hf_config: dict | None = None) -> str:
-    """Write checkpoint `step` under `root` atomically and prune to the newest `keep`.
+    """Write checkpoint `step` under `root` atomically and prune (`prune`).
     `hf_config` (the model's config.json) is stored with it, so the checkpoint describes itself."""
     final = os.path.join(root, f"step-{step:08d}")
     tmp = os.path.join(root, f".tmp-step-{step:08d}")
@@ -163,7 +167,7 @@ def save(root: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Op
             _write_json(os.path.join(tmp, "config.json"), hf_config)
         fault_point("save-before-marker", step)
         finalize_dir(tmp, final, {"step": step})
-        prune(root, keep)
+        prune(root, keep, step)
     _barrier()
     return final
 
@@ -245,49 +249,86 @@ def verify_everywhere(path: str) -> None:
 
 
 def newest_valid(root: str) -> tuple[str | None, list[str]]:
-    """The newest checkpoint under `root` that passes full verification, and why each newer one
-    was refused (a torn, truncated or corrupted checkpoint is passed over, never loaded)."""
-    refused = []
-    for _, path in reversed(complete_checkpoints(root)):
+    """The newest checkpoint under `root` that passes full verification, and why every `step-*`
+    directory that fails was refused (newer ones by full verification, older ones by their sizes):
+    a torn, truncated or corrupted checkpoint is reported, never loaded."""
+    refused, found = [], None
+    for _, path in reversed(step_dirs(root)):
         try:
-            verify_everywhere(path)
-            return path, refused
+            if found is None:
+                verify_everywhere(path)
+                found = path
+            else:
+                verify(path)
         except CheckpointError as e:
             refused.append(str(e))
-    return None, refused
+    return found, refused
+
+
+def step_dirs(root: str) -> list[tuple[int, str]]:
+    """(step, path) of every `step-*` directory under `root`, verified or not, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    return sorted((int(m.group(1)), os.path.join(root, n)) for n in os.listdir(root) if (m := STEP_DIR.match(n)))
 
 
 def complete_checkpoints(root: str) -> list[tuple[int, str]]:
-    """(step, path) of every checkpoint under `root` that verifies, oldest first."""
-    if not os.path.isdir(root):
-        return []
+    """(step, path) of every checkpoint under `root` that verifies (sizes), oldest first."""
     found = []
-    for name in os.listdir(root):
-        m = STEP_DIR.match(name)
-        if m:
-            path = os.path.join(root, name)
-            try:
-                verify(path)
-            except CheckpointError:
-                continue
-            found.append((int(m.group(1)), path))
-    return sorted(found)
+    for step, path in step_dirs(root):
+        try:
+            verify(path)
+        except CheckpointError:
+            continue
+        found.append((step, path))
+    return found
+
+
+def _passes(path: str) -> bool:
+    try:
+        verify(path, checksums=True)
+        return True
+    except CheckpointError:
+        return False
 
 
 def clean_partial(root: str) -> list[str]:
-    """Remove the leftovers of interrupted saves; return what was removed (rank 0 only)."""
+    """Remove the leftovers of interrupted saves; return what was removed (rank 0 only).
+    A save of a step that already existed, killed between its two renames, leaves `.old-step-N`
+    and `.tmp-step-N` but no `step-N`: the new copy is moved in if it verifies, else the old one."""
     removed = []
     if _rank() == 0 and os.path.isdir(root):
-        for name in os.listdir(root):
-            if name.startswith((".tmp-step-", ".old-step-")):
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-                removed.append(name)
+        for name in sorted(os.listdir(root), key=lambda n: not n.startswith(".tmp-")):  # the new copy first
+            if not name.startswith((".tmp-step-", ".old-step-")):
+                continue
+            path, final = os.path.join(root, name), os.path.join(root, name[5:])
+            if not os.path.exists(final) and _passes(path):
+                os.replace(path, final)
+                _fsync_dir(root)
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(name)
     _barrier()
     return removed
 
 
-def prune(root: str, keep: int) -> None:
-    for _, path in complete_checkpoints(root)[:-keep]:
+def prune(root: str, keep: int, step: int) -> None:
+    """After saving `step` (never deleted): keep the newest `keep` checkpoints up to it, counting it.
+    Newer ones are from a timeline abandoned by resuming an earlier checkpoint: renamed aside to
+    `.abandoned-step-N` (not deleted, not resumed by `resume=auto`), so a later resume stays on this one."""
+    moved = []
+    for s, path in step_dirs(root):
+        if s > step:
+            aside, n = os.path.join(root, f".abandoned-{os.path.basename(path)}"), 1
+            while os.path.exists(aside):  # abandoned before: keep every copy
+                aside, n = os.path.join(root, f".abandoned-{os.path.basename(path)}-{n}"), n + 1
+            os.replace(path, aside)
+            moved.append(os.path.basename(aside))
+    if moved:
+        logger.warning("checkpoints after step %d belong to an abandoned run (resumed from an earlier step); "
+                       "moved aside in %s: %s", step, root, ", ".join(moved))
+    older = [path for s, path in complete_checkpoints(root) if s < step]
+    for path in older[:max(len(older) - (keep - 1), 0)]:
         shutil.rmtree(path, ignore_errors=True)
 
 
@@ -296,14 +337,17 @@ def latest(root: str) -> str | None:
     return found[-1][1] if found else None
 
 
-def stored_tensors(path: str) -> dict[str, tuple[tuple, torch.dtype]]:
-    """The model tensors of checkpoint `path` -> (shape, dtype), read from its metadata only."""
+def _metadata(path: str):
     try:
-        meta = dcp.FileSystemReader(path).read_metadata()
+        return dcp.FileSystemReader(path).read_metadata()
     except Exception as e:  # missing or unreadable .metadata
         raise CheckpointError(f"{path} is not a readable DCP checkpoint: {e}") from None
+
+
+def stored_tensors(path: str) -> dict[str, tuple[tuple, torch.dtype]]:
+    """The model tensors of checkpoint `path` -> (shape, dtype), read from its metadata only."""
     return {k.removeprefix("model."): (tuple(v.size), v.properties.dtype)
-            for k, v in meta.state_dict_metadata.items() if k.startswith("model.") and hasattr(v, "size")}
+            for k, v in _metadata(path).state_dict_metadata.items() if k.startswith("model.") and hasattr(v, "size")}
 
 
 def check_tensors(path: str, have: dict[str, tuple], want: dict[str, tuple]) -> None:
@@ -322,24 +366,63 @@ def check_tensors(path: str, have: dict[str, tuple], want: dict[str, tuple]) -> 
                               f"overrides):\n" + "\n".join(lines))
 
 
+def _untied(model: torch.nn.Module, state: dict, stored: dict) -> tuple[dict, torch.Tensor | None]:
+    """What to load into a tied model (tie_word_embeddings): DCP would write the stored head into the
+    embedding, the one tensor both share. The head goes to a scratch tensor (returned, to be compared
+    with the embedding after loading), or is left out where the checkpoint has none."""
+    if model.lm_head.weight is not model.model.embed_tokens.weight:
+        return state, None
+    state = {n: t for n, t in state.items() if n != "lm_head.weight"}
+    if "lm_head.weight" not in stored:
+        return state, None
+    head = torch.empty_like(state["model.embed_tokens.weight"])
+    return {**state, "lm_head.weight": head}, head
+
+
+def _check_tied(path: str, head: torch.Tensor | None, embedding: torch.Tensor) -> None:
+    if head is None:
+        return
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in (head, embedding)]
+    same = torch.tensor(float(torch.equal(*local)), device=local[0].device)
+    if dist.is_initialized():  # each rank compared its shard
+        dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    if not same.item():
+        raise CheckpointError(f"checkpoint {path} is untied (its lm_head.weight differs from "
+                              "model.embed_tokens.weight) but the model config ties them (tie_word_embeddings = "
+                              "true); set model.tie_word_embeddings=false")
+
+
+def _dcp_load(state: dict, path: str, what: str) -> None:
+    try:
+        with quiet():
+            dcp.load(state, checkpoint_id=path)
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        if isinstance(e, CheckpointException):  # name each rank's error, not DCP's tracebacks
+            e = "; ".join(f"rank {r}: {exc}" for r, (exc, _) in sorted(e.failures.items()))
+        raise CheckpointError(f"checkpoint {path} does not match this {what}: {e}") from None
+
+
 def load_weights(path: str, model: torch.nn.Module) -> None:
     """Load only the model weights of `path`: a converted Hugging Face checkpoint or a training one."""
     verify_everywhere(path)
     state = get_model_state_dict(model)
     stored = stored_tensors(path)
-    if "lm_head.weight" not in stored and model.lm_head.weight is model.model.embed_tokens.weight:
-        state.pop("lm_head.weight")  # tied: the embedding is the head
     view, pairs = _global_experts(state, model, "model")
+    view, head = _untied(model, view, stored)
     check_tensors(path, {n: s for n, (s, _) in stored.items()}, {n: t.shape for n, t in view.items()})
-    with quiet():
-        dcp.load({"model": view}, checkpoint_id=path)
+    _dcp_load({"model": view}, path, "model")
     _copy_back(pairs)
+    _check_tied(path, head, view["model.embed_tokens.weight"])
     set_model_state_dict(model, state, options=StateDictOptions(strict=False))
 
 
 def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
     """Load model (and optimizer) state from checkpoint `path`; return its trainer state."""
     verify_everywhere(path)
+    if optimizer is not None and not any(k.startswith("optim.") for k in _metadata(path).state_dict_metadata):
+        raise CheckpointError(f"checkpoint {path} holds weights only, no optimizer state (e.g. made by `pithtrain "
+                              f"convert hf-to-dcp`), so a run cannot resume from it; start from its weights with "
+                              f"checkpoint.init_from={path}")
     stored = {n: s for n, (s, _) in stored_tensors(path).items()}
     if optimizer is None:
         state = {"model": get_model_state_dict(model)}
@@ -347,13 +430,12 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | N
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
     view, pairs = _global_experts(state, model)
+    model_view, head = _untied(model, view["model"], stored)
+    view = {**view, "model": model_view}  # `state` keeps every name for set_state_dict
     check_tensors(path, stored, {n: t.shape for n, t in view["model"].items()})
-    try:
-        with quiet():
-            dcp.load(view, checkpoint_id=path)
-    except Exception as e:
-        raise CheckpointError(f"checkpoint {path} does not match this model and optimizer: {e}") from None
+    _dcp_load(view, path, "model and optimizer")
     _copy_back(pairs)
+    _check_tied(path, head, view["model"]["model.embed_tokens.weight"])
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:

@@ -37,7 +37,8 @@ from pithtrain.models import build_model
 from pithtrain.train.checkpoint import CheckpointError, check_tensors, finalize_dir, quiet, stored_tensors, verify
 
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json"]
+                   "vocab.json", "merges.txt", "chat_template.jinja"]
+GENERATION_CONFIG = "generation_config.json"
 ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
                  "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
@@ -69,8 +70,12 @@ class SafetensorsFolder:
         self.folder, self._open, self._handles = folder, safe_open, {}
         index = os.path.join(folder, "model.safetensors.index.json")
         if os.path.isfile(index):
-            with open(index) as f:
-                self.files = json.load(f)["weight_map"]
+            try:
+                with open(index) as f:
+                    self.files = dict(json.load(f)["weight_map"])
+            except (ValueError, KeyError, TypeError) as e:  # bad JSON, no weight_map
+                raise CheckpointError(f"{index} is not a valid safetensors index (a JSON object with a "
+                                      f"'weight_map'): {type(e).__name__}: {e}; re-download or repair it") from None
         else:
             shards = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
             if not shards:
@@ -82,7 +87,12 @@ class SafetensorsFolder:
 
     def _handle(self, shard: str):
         if shard not in self._handles:
-            self._handles[shard] = self._open(os.path.join(self.folder, shard), framework="pt")
+            path = os.path.join(self.folder, shard)
+            try:
+                self._handles[shard] = self._open(path, framework="pt")
+            except Exception as e:  # SafetensorError: truncated or not safetensors
+                raise CheckpointError(f"{path} is not a readable safetensors file ({e}); it may be truncated: "
+                                      f"re-download it") from None
         return self._handles[shard]
 
     def __contains__(self, name: str) -> bool:
@@ -178,8 +188,13 @@ def read_hf_config(folder: str) -> dict:
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
         raise CheckpointError(f"{folder} has no config.json")
-    with open(path) as f:
-        cfg = json.load(f)
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except ValueError as e:  # bad JSON or bytes
+        raise CheckpointError(f"{path} is not valid JSON ({e}); re-download or repair it") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{path} is not a JSON object; re-download or repair it")
     quant = (cfg.get("quantization_config") or {}).get("quant_method")
     if quant not in (None, "mxfp4"):
         raise CheckpointError(f"{path}: quantization {quant!r} is not supported; convert a bf16/fp32 checkpoint "
@@ -237,18 +252,29 @@ def _fresh_output(out: str) -> str:
     return tmp
 
 
-def _copy_tokenizer(src: str | None, dst: str) -> list[str]:
-    if src is None:
-        return []
-    found = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(src, n))]
-    for n in found:
-        shutil.copy2(os.path.join(src, n), os.path.join(dst, n))
-    return found
+def _extra_files(src: str, tokenizer: str | None) -> list[str]:
+    """Paths of the files to copy along: the tokenizer's from `tokenizer` (default: `src`), which must
+    hold some if given, and generation_config.json from `src` (else from `tokenizer`)."""
+    folder = tokenizer or src
+    found = [os.path.join(folder, n) for n in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))]
+    if tokenizer is not None and not found:
+        raise CheckpointError(f"--tokenizer {tokenizer} is not a folder holding tokenizer files (looked for "
+                              f"{', '.join(TOKENIZER_FILES)}); nothing was written")
+    generation = [p for p in (os.path.join(src, GENERATION_CONFIG), os.path.join(folder, GENERATION_CONFIG))
+                  if os.path.isfile(p)]
+    return found + generation[:1]
+
+
+def _copy_files(paths: list[str], dst: str) -> list[str]:
+    for p in paths:
+        shutil.copy2(p, os.path.join(dst, os.path.basename(p)))
+    return [os.path.basename(p) for p in paths]
 
 
 def hf_to_dcp(src: str, out: str, tokenizer: str | None = None) -> dict:
     """Convert a Hugging Face folder to a DCP checkpoint at `out` (which must not exist)."""
     hf_config = read_hf_config(src)
+    extra = _extra_files(src, tokenizer)
     sources = plan_import(src, hf_config)
     tmp = _fresh_output(out)
     state = {"model": {n: torch.empty(s.shape, dtype=s.dtype, device="meta") for n, s in sources.items()}}
@@ -257,7 +283,7 @@ def hf_to_dcp(src: str, out: str, tokenizer: str | None = None) -> dict:
     hf_config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
-    copied = _copy_tokenizer(tokenizer or src, tmp)
+    copied = _copy_files(extra, tmp)
     finalize_dir(tmp, out, {"source": os.path.abspath(src), "tensors": len(sources)})
     return {"tensors": len(sources), "tokenizer_files": copied}
 
@@ -300,6 +326,7 @@ def dcp_to_hf(ckpt: str, out: str, hf_config: dict | None = None, tokenizer: str
     from safetensors.torch import save_file
 
     verify(ckpt, checksums=True)
+    extra = _extra_files(ckpt, tokenizer)
     if hf_config is None:
         hf_config = read_hf_config(ckpt)
     have = check_against_config(ckpt, hf_config)
@@ -338,6 +365,6 @@ def dcp_to_hf(ckpt: str, out: str, hf_config: dict | None = None, tokenizer: str
         config["torch_dtype"] = config["dtype"] = str(stored.pop()).removeprefix("torch.")
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    copied = _copy_tokenizer(tokenizer or ckpt, tmp)
+    copied = _copy_files(extra, tmp)
     os.replace(tmp, out)
     return {"shards": len(shards), "tensors": len(weight_map), "tokenizer_files": copied}

@@ -1,0 +1,202 @@
+"""Checkpoint edge cases, in process: pruning after resuming an earlier step, every refused
+checkpoint reported, clear errors for weights-only and mismatched checkpoints, tied embeddings,
+a re-save killed between its renames, and bad Hugging Face folders (`pithtrain convert`)."""
+
+import json
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+from conftest import QWEN3
+from pithtrain.layers.transformer import init_weights
+from pithtrain.models import build_model
+from pithtrain.train import checkpoint, hf
+from pithtrain.train.checkpoint import CheckpointError
+
+
+def model_and_optimizer(seed: int = 1, **cfg):
+    model = build_model(dict(QWEN3, **cfg))
+    init_weights(model, seed=seed)
+    return model, torch.optim.AdamW(model.parameters())
+
+
+def save(root, step, model_opt, keep=5, **trainer):
+    return checkpoint.save(str(root), step, *model_opt, {"data": {}, **trainer}, keep=keep, hf_config=QWEN3)
+
+
+def names(root):
+    return sorted(os.listdir(root))
+
+
+def test_saving_after_resuming_an_earlier_step_sets_the_newer_timeline_aside(tmp_path, caplog):
+    """Resumed from step 10 while 20 exists: saving 11 keeps 11 (even with keep=1), moves 20 aside
+    (not deleted, not resumed by resume=auto, not removed at start) and counts only steps <= 11."""
+    mo = model_and_optimizer()
+    for s in (5, 10, 20):
+        save(tmp_path, s, mo)
+    (tmp_path / "final").mkdir()  # a user's own folder is never touched
+    with caplog.at_level(logging.WARNING, logger="pithtrain.checkpoint"):
+        path = save(tmp_path, 11, mo, keep=2)
+    assert os.path.isdir(path)
+    assert names(tmp_path) == [".abandoned-step-00000020", "final", "step-00000010", "step-00000011"]
+    assert [r.getMessage() for r in caplog.records if ".abandoned-step-00000020" in r.getMessage()]
+    assert checkpoint.newest_valid(str(tmp_path)) == (path, [])
+    assert checkpoint.clean_partial(str(tmp_path)) == []
+    save(tmp_path, 20, mo, keep=1)  # the new timeline reaches 20: the old 20 stays aside
+    save(tmp_path, 12, mo, keep=1)  # a second rewind: its 20 goes aside next to the first
+    assert names(tmp_path) == [".abandoned-step-00000020", ".abandoned-step-00000020-1", "final", "step-00000012"]
+
+
+def test_every_refused_checkpoint_is_reported(tmp_path):
+    """A truncated file, a missing marker and a flipped byte are each reported with the path; a
+    partial `.tmp-` save is not a checkpoint and is not reported."""
+    mo = model_and_optimizer()
+    for s in (10, 20, 30, 40):
+        save(tmp_path, s, mo)
+    distcp = next(p for p in (tmp_path / "step-00000040").iterdir() if p.suffix == ".distcp")
+    os.truncate(distcp, distcp.stat().st_size // 2)
+    os.remove(tmp_path / "step-00000030" / "complete.json")
+    trainer = tmp_path / "step-00000020" / "trainer.json"
+    data = bytearray(trainer.read_bytes())
+    data[3] ^= 1
+    trainer.write_bytes(bytes(data))
+    (tmp_path / ".tmp-step-00000050").mkdir()
+    path, refused = checkpoint.newest_valid(str(tmp_path))
+    assert path == str(tmp_path / "step-00000010")
+    assert len(refused) == 3, refused
+    assert f"step-00000040: {distcp.name} has" in refused[0] and "expected" in refused[0]
+    assert "step-00000030 is incomplete: complete.json is missing" in refused[1]
+    assert "step-00000020: trainer.json is corrupt" in refused[2]
+
+
+def test_resuming_from_weights_only_or_another_optimizer_is_a_clear_error(tmp_path):
+    """DCP's CheckpointException is a BaseException: it must come out as a CheckpointError."""
+    model, opt = model_and_optimizer()
+    weights = str(tmp_path / "weights")  # the form `convert hf-to-dcp` writes: model.* only
+    os.makedirs(tmp_path / "tmp")
+    with checkpoint.quiet():
+        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(tmp_path / "tmp"))
+    checkpoint.finalize_dir(str(tmp_path / "tmp"), weights, {"tensors": 0})
+    with pytest.raises(CheckpointError, match=f"{weights} holds weights only.*checkpoint.init_from={weights}"):
+        checkpoint.load(weights, *model_and_optimizer())
+    checkpoint.load_weights(weights, build_model(dict(QWEN3)))  # what init_from does
+
+    path = save(tmp_path / "run", 1, (model, opt))
+    other = build_model(dict(QWEN3))
+    sgd = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
+    for p in other.parameters():
+        p.grad = torch.ones_like(p)
+    sgd.step()
+    with pytest.raises(CheckpointError, match="does not match this model and optimizer: rank 0: .*momentum_buffer"):
+        checkpoint.load(path, other, sgd)
+
+
+def test_a_tied_model_never_loads_the_head_into_its_embedding(tmp_path):
+    """An untied checkpoint is refused by a tied model (it would overwrite the shared embedding with
+    the head); a tied checkpoint, which stores both, loads with the embedding intact."""
+    untied = model_and_optimizer()
+    path = save(tmp_path / "untied", 1, untied)
+    tied = build_model(dict(QWEN3, tie_word_embeddings=True))
+    for load in (lambda: checkpoint.load_weights(path, tied),
+                 lambda: checkpoint.load(path, tied, torch.optim.AdamW(tied.parameters()))):
+        with pytest.raises(CheckpointError, match="is untied .* model.tie_word_embeddings=false"):
+            load()
+
+    source = model_and_optimizer(seed=2, tie_word_embeddings=True)
+    path = save(tmp_path / "tied", 1, source)
+    assert "lm_head.weight" in checkpoint.stored_tensors(path)
+    for resume in (False, True):
+        fresh = build_model(dict(QWEN3, tie_word_embeddings=True))
+        if resume:
+            checkpoint.load(path, fresh, torch.optim.AdamW(fresh.parameters()))
+        else:
+            checkpoint.load_weights(path, fresh)
+        assert torch.equal(fresh.model.embed_tokens.weight, source[0].model.embed_tokens.weight)
+        assert fresh.lm_head.weight is fresh.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("new_copy_ok", [True, False])
+def test_a_resave_killed_between_its_renames_keeps_a_checkpoint(tmp_path, monkeypatch, new_copy_ok):
+    """Step 10 saved again and killed after `step-10 -> .old-step-10`: the start of the next run moves
+    in the new copy if it verifies, else restores the old one."""
+    mo = model_and_optimizer()
+    save(tmp_path, 10, mo, mark=1)
+    replace = os.replace
+
+    def killed(src, dst):
+        replace(src, dst)
+        if os.path.basename(dst).startswith(".old-"):
+            raise KeyboardInterrupt  # the process dies here
+
+    monkeypatch.setattr(checkpoint.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        save(tmp_path, 10, mo, mark=2)
+    monkeypatch.undo()
+    assert names(tmp_path) == [".old-step-00000010", ".tmp-step-00000010"]
+    if not new_copy_ok:
+        os.remove(tmp_path / ".tmp-step-00000010" / "trainer.json")
+    removed = checkpoint.clean_partial(str(tmp_path))
+    assert removed == [".old-step-00000010" if new_copy_ok else ".tmp-step-00000010"]
+    assert names(tmp_path) == ["step-00000010"]
+    path, refused = checkpoint.newest_valid(str(tmp_path))
+    assert refused == [] and json.load(open(os.path.join(path, "trainer.json")))["mark"] == (2 if new_copy_ok else 1)
+
+
+@pytest.fixture
+def hf_folder(tmp_path):
+    """A Hugging Face folder of QWEN3 (one shard, our names), a generation config and a tokenizer."""
+    from safetensors.torch import save_file
+
+    src = tmp_path / "hf"
+    src.mkdir()
+    model = build_model(dict(QWEN3))
+    save_file({n: t.contiguous() for n, t in model.state_dict().items()}, str(src / "model.safetensors"))
+    (src / "config.json").write_text(json.dumps(QWEN3))
+    (src / "generation_config.json").write_text('{"eos_token_id": 1}')
+    (src / "tokenizer.json").write_text('{"src": true}')
+    return src
+
+
+def test_bad_hugging_face_files_are_named(hf_folder, tmp_path):
+    shard = hf_folder / "model.safetensors"
+    good = shard.read_bytes()
+    shard.write_bytes(good[:len(good) // 2])
+    with pytest.raises(CheckpointError, match=f"{shard} is not a readable safetensors file.*re-download"):
+        hf.hf_to_dcp(str(hf_folder), str(tmp_path / "out"))
+    shard.write_bytes(good)
+
+    index = hf_folder / "model.safetensors.index.json"
+    index.write_text('{"metadata": {}}')
+    with pytest.raises(CheckpointError, match=f"{index} is not a valid safetensors index.*weight_map"):
+        hf.hf_to_dcp(str(hf_folder), str(tmp_path / "out"))
+    index.unlink()
+
+    (hf_folder / "config.json").write_text('{"model_type": "qwen3_moe",')
+    with pytest.raises(CheckpointError, match=f"{hf_folder / 'config.json'} is not valid JSON.*repair"):
+        hf.hf_to_dcp(str(hf_folder), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_tokenizer_folder_must_hold_a_tokenizer_and_generation_config_comes_from_src(hf_folder, tmp_path):
+    with pytest.raises(CheckpointError, match="--tokenizer .*nope is not a folder holding tokenizer files"):
+        hf.hf_to_dcp(str(hf_folder), str(tmp_path / "out"), tokenizer=str(tmp_path / "nope"))
+    assert names(tmp_path) == ["hf"]  # nothing written, not even a partial folder
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text('{"tok": true}')
+    info = hf.hf_to_dcp(str(hf_folder), str(tmp_path / "out"), tokenizer=str(tok))
+    assert sorted(info["tokenizer_files"]) == ["generation_config.json", "tokenizer.json"]
+    assert json.load(open(tmp_path / "out" / "tokenizer.json")) == {"tok": True}
+    assert json.load(open(tmp_path / "out" / "generation_config.json")) == {"eos_token_id": 1}
+    checkpoint.verify(str(tmp_path / "out"), checksums=True)
+
+    shutil.rmtree(tok)
+    with pytest.raises(CheckpointError, match="--tokenizer"):
+        hf.dcp_to_hf(str(tmp_path / "out"), str(tmp_path / "back"), tokenizer=str(tok))
+    info = hf.dcp_to_hf(str(tmp_path / "out"), str(tmp_path / "back"))
+    assert sorted(info["tokenizer_files"]) == ["generation_config.json", "tokenizer.json"]
