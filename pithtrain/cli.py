@@ -180,7 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # everything after it belongs to the benchmark's own parser
         return cmd_bench(argv[1:])
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # overrides after an option (`memory run.toml --world 2 data.seq_len=16`) are overrides still
+        if not hasattr(args, "overrides") or any(x.startswith("-") or "=" not in x for x in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides += extra
     from pithtrain.train.checkpoint import CheckpointError
     from pithtrain.train.data import CorpusError
     from pithtrain.train.guard import TrainingHalted

@@ -9,6 +9,7 @@ field of that JSON (`model.num_hidden_layers=2`). Anything unknown, mistyped or 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
 import tomllib
@@ -25,7 +26,7 @@ class ConfigError(ValueError):
 class TrainConfig:
     steps: int = 100  # length of the whole run (the LR schedule spans it)
     stop_at: int = 0  # end this invocation after this step, to resume later (0: run to train.steps)
-    seed: int = 0
+    seed: int = 0  # >= 0: data order, weight init
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
     # Parameters, gradients and AdamW states: fp32 (master weights; bf16 compute under autocast) or
@@ -50,7 +51,7 @@ class DataConfig:
     micro_batch_size: int = 4  # sequences per forward/backward
     global_batch_size: int = 8  # sequences per optimizer step (micro_batch_size * accumulation)
     val_every: int = 50  # validation every N steps (0: only at the end)
-    val_batches: int = 4
+    val_batches: int = 4  # validation set: the first val_batches global batches of the val split
     document_mask: bool = False  # attention stays inside each packed document; positions restart per document
 
 
@@ -135,15 +136,17 @@ class RunConfig:
 
 SECTIONS = [f.name for f in dataclasses.fields(RunConfig)]
 _PATH_KEYS = {("model", "config"), ("data", "corpus"), ("log", "run_dir"), ("checkpoint", "dir"),
-              ("checkpoint", "init_from")}
+              ("checkpoint", "init_from"), ("checkpoint", "resume")}
+_NOT_PATHS = ("none", "auto")  # checkpoint.resume's words
 
 
 def parse_value(text: str) -> Any:
     """A command-line value as TOML (`3`, `1e-3`, `true`, `[1, 2]`, `"x"`), else the plain string."""
     try:
-        return tomllib.loads(f"v = {text}")["v"]
+        value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
+    return text if isinstance(value, (datetime.date, datetime.time)) else value  # run_dir=2024-06-01: a name
 
 
 def _check_type(key: str, value: Any, annotation: Any) -> Any:
@@ -205,7 +208,7 @@ def load_config(path: str | None, overrides: list[str] = (), base: dict | None =
         if not isinstance(table, dict):
             raise ConfigError(f"[{section}] must be a table of key = value pairs")
         for key in table:
-            if (section, key) in _PATH_KEYS and isinstance(table[key], str) and table[key]:
+            if (section, key) in _PATH_KEYS and isinstance(table[key], str) and table[key] not in ("", *_NOT_PATHS):
                 table[key] = os.path.join(root, os.path.expanduser(table[key]))
 
     for item in overrides:
@@ -216,7 +219,7 @@ def load_config(path: str | None, overrides: list[str] = (), base: dict | None =
         if section not in SECTIONS:
             raise ConfigError(f"unknown section in override {item!r}; valid sections: {SECTIONS}")
         value = parse_value(text)
-        if (section, key) in _PATH_KEYS and isinstance(value, str):
+        if (section, key) in _PATH_KEYS and isinstance(value, str) and value not in _NOT_PATHS:
             value = os.path.abspath(os.path.expanduser(value))
         raw.setdefault(section, {})[key] = value
     return build_config(raw)
@@ -281,7 +284,7 @@ def validate(cfg: RunConfig) -> None:
                        ("optim.warmup_steps", o.warmup_steps), ("optim.grad_clip", o.grad_clip),
                        ("optim.weight_decay", o.weight_decay), ("moe.aux_loss_coef", cfg.moe.aux_loss_coef),
                        ("moe.z_loss_coef", cfg.moe.z_loss_coef), ("train.threads", t.threads),
-                       ("train.max_skips", t.max_skips)]:
+                       ("train.max_skips", t.max_skips), ("train.seed", t.seed)]:
         if value < 0:
             raise ConfigError(f"{key} = {value} must not be negative")
     if d.global_batch_size % d.micro_batch_size:

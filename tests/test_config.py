@@ -50,6 +50,7 @@ def test_float_field_accepts_int(toml):
     ("", ["train.steps=5", "optim.warmup_steps=6"], "exceeds train.steps"),
     ("", ["checkpoint.resume=/no/such/dir"], "checkpoint.resume"),
     ("", ["optim.lr"], "must look like section.key=value"),
+    ("", ["train.seed=-1"], "train.seed = -1 must not be negative"),
 ])
 def test_errors_name_the_key(toml, body, overrides, message):
     with pytest.raises(ConfigError) as e:
@@ -77,3 +78,39 @@ def test_bad_model_config_is_a_config_error(tmp_path, field, value, message):
     path.write_text(json.dumps({**HF, field: value}))
     with pytest.raises(ConfigError, match=message):
         load_config(None, [f"model.config={path}"])
+
+
+def test_paths_and_names(toml, tmp_path, monkeypatch):
+    """checkpoint.resume in the TOML is a path from the TOML's directory (its words 'auto' and
+    'none' stay words); a value that TOML reads as a date stays the name it was written as."""
+    (tmp_path / "ck" / "step-00000004").mkdir(parents=True)
+    monkeypatch.chdir("/")
+    cfg = load_config(toml('[checkpoint]\nresume = "ck/step-00000004"\n'))
+    assert cfg.checkpoint.resume == str(tmp_path / "ck" / "step-00000004")
+    assert load_config(toml('[checkpoint]\nresume = "auto"\n'), ["checkpoint.resume=none"]).checkpoint.resume == "none"
+    assert load_config(toml(), ["log.run_dir=2024-06-01"]).log.run_dir == "/2024-06-01"
+
+
+def test_overrides_may_follow_options(toml, capsys):
+    from pithtrain.cli import main
+
+    assert main(["memory", toml(), "--world", "2", "data.seq_len=16", "data.micro_batch_size=2"]) == 0
+    with pytest.raises(SystemExit):
+        main(["memory", toml(), "--world", "2", "--bogus"])
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_biases_and_norms_get_no_weight_decay():
+    """GPT-OSS's per-expert biases are 2-D ([E, n]) and still biases: no weight decay."""
+    from conftest import GPT_OSS
+    from pithtrain.config import OptimConfig
+    from pithtrain.models import build_model
+    from pithtrain.train.optim import build_optimizer
+
+    model = build_model(GPT_OSS)
+    decayed, kept = (set(map(id, g["params"])) for g in build_optimizer(model, OptimConfig()).param_groups)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert {names[i] for i in decayed} == {n for n, p in model.named_parameters()
+                                          if p.ndim >= 2 and not n.endswith("bias")}
+    assert "model.layers.0.mlp.experts.gate_up_proj_bias" in {names[i] for i in kept}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in {names[i] for i in decayed}

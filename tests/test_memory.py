@@ -86,3 +86,19 @@ def test_the_run_config_says_whether_a_step_accumulates():
 
     assert run(4).backward_peak is not None and run(8).backward_peak is None
     assert run(8, world=2, data_ranks=2).backward_peak is not None  # each rank runs one micro-batch
+
+
+def test_hsdp_replicas_hold_whole_states():
+    """Under HSDP the states are sharded within a replica only: dp_replicate=2 on 8 ranks holds
+    as much per rank as plain FSDP on 4."""
+    import os
+
+    from pithtrain.config import load_config
+    from pithtrain.tools.memory import estimate_for_run
+
+    toml = os.path.join(os.path.dirname(__file__), "..", "examples", "demo", "demo.toml")
+    hsdp = estimate_for_run(load_config(toml, ["parallel.dp_replicate=2"]), world=8, data_ranks=8)
+    fsdp4 = estimate_for_run(load_config(toml, []), world=4, data_ranks=8)
+    fsdp8 = estimate_for_run(load_config(toml, []), world=8, data_ranks=8)
+    assert hsdp.weights == fsdp4.weights == 2 * fsdp8.weights
+    assert hsdp.optimizer == fsdp4.optimizer and hsdp.total == fsdp4.total

@@ -93,3 +93,62 @@ def test_cli_reports_config_errors(tiny_corpus, tmp_path):
     toml = write_run(tmp_path, tiny_corpus)
     proc = run_cli("train", toml, "optim.lrate=1", check=False)
     assert proc.returncode == 2 and "unknown key optim.lrate" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_stop_at_saves_and_a_resume_follows_the_optim_config(tiny_corpus, tmp_path, monkeypatch):
+    """An invocation ended by train.stop_at saves even with save_final off; a resume at or past
+    stop_at is refused; the resumed optimizer takes the config's betas, eps and weight decay, not
+    the ones saved with its state."""
+    from pithtrain.train import loop
+
+    toml = write_run(tmp_path, tiny_corpus)
+    base = ["train.steps=6", "optim.warmup_steps=1", "checkpoint.save_final=false"]
+    train(load_config(toml, base + ["train.stop_at=3"]))
+    assert checkpoint.latest(str(tmp_path / "run" / "checkpoints")).endswith("step-00000003")
+    with pytest.raises(ConfigError, match="stop_at = 3 but .* already at step 3"):
+        train(load_config(toml, base + ["train.stop_at=3", "checkpoint.resume=auto"]))
+    seen, real = [], loop.train_step
+
+    def spy(model, optimizer, *args, **kwargs):
+        seen.append([(g["weight_decay"], g["betas"], g["eps"]) for g in optimizer.param_groups])
+        return real(model, optimizer, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "train_step", spy)
+    train(load_config(toml, base + ["checkpoint.resume=auto", "optim.weight_decay=0.5", "optim.beta2=0.9",
+                                    "optim.eps=1e-6"]))
+    assert len(seen) == 3 and seen[0] == [(0.5, (0.9, 0.9), 1e-6), (0.0, (0.9, 0.9), 1e-6)]
+
+
+def test_auto_resume_never_starts_over_on_unreadable_checkpoints(tiny_corpus, tmp_path):
+    toml = write_run(tmp_path, tiny_corpus)
+    train(load_config(toml, ["train.steps=2", "optim.warmup_steps=1"]))
+    ckpt = checkpoint.latest(str(tmp_path / "run" / "checkpoints"))
+    shard = next(os.path.join(ckpt, f) for f in sorted(os.listdir(ckpt)) if f.endswith(".distcp"))
+    with open(shard, "r+b") as f:  # one byte changed: the size still matches, the CRC does not
+        f.seek(os.path.getsize(shard) // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    before = open(tmp_path / "run" / "metrics.jsonl").read()
+    with pytest.raises(checkpoint.CheckpointError, match="no checkpoint .* passes verification"):
+        train(load_config(toml, ["train.steps=4", "optim.warmup_steps=1", "checkpoint.resume=auto"]))
+    assert open(tmp_path / "run" / "metrics.jsonl").read() == before and os.path.isdir(ckpt)
+
+
+def test_a_run_that_failed_before_its_first_step_may_start_again(tiny_corpus, tmp_path):
+    toml = write_run(tmp_path, tiny_corpus)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("")  # what a run that failed while starting leaves
+    assert train(load_config(toml, ["train.steps=1", "optim.warmup_steps=1"]))["train_loss"] > 0
+
+
+def test_the_validation_set_does_not_depend_on_the_micro_batch(tiny_corpus, tmp_path):
+    """val_loss is measured on the first data.val_batches global batches whatever the micro-batch
+    (nearly no training, lr 1e-9: only the validation set could differ)."""
+    vals = []
+    for micro in (1, 2, 4):
+        toml = write_run(tmp_path / f"m{micro}", tiny_corpus) if (tmp_path / f"m{micro}").mkdir() is None else None
+        summary = train(load_config(toml, ["train.steps=1", "optim.warmup_steps=1", "optim.lr=1e-9",
+                                           "optim.min_lr=0", f"data.micro_batch_size={micro}"]))
+        vals.append(summary["val_loss"])
+    assert max(vals) - min(vals) < 1e-5 * vals[0], vals

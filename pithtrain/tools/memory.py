@@ -142,14 +142,15 @@ def estimate(model: nn.Module, *, tokens: int, param_dtype: str = "fp32", autoca
 def estimate_for_run(cfg, world: int = 1, cp: int = 1, autocast: bool = True, data_ranks: int = 1) -> MemoryEstimate:
     """`estimate` for a RunConfig on `world` ranks with context parallel `cp` and `data_ranks`
     ranks that split the global batch: the model built on the meta device (nothing allocated),
-    this rank's share of a micro-batch."""
+    this rank's share of a micro-batch. Under HSDP (`parallel.dp_replicate` > 1) each replica
+    holds whole states, so they are sharded over world / dp_replicate ranks."""
     from pithtrain.models import build_model
 
     with torch.device("meta"):
         model = build_model(cfg.model.hf)
     t, d = cfg.train, cfg.data
     return estimate(model, tokens=d.micro_batch_size * d.seq_len // cp, param_dtype=t.param_dtype,
-                    autocast=autocast, world=world, recompute=t.recompute,
+                    autocast=autocast, world=world // cfg.parallel.dp_replicate, recompute=t.recompute,
                     accumulate=d.global_batch_size > d.micro_batch_size * data_ranks)
 
 

@@ -35,7 +35,7 @@ from pithtrain.train.guard import (Preemption, StepGuard, TrainingHalted, first_
 from pithtrain.train.data import (GlobalBatchSampler, PackedDataset, batch_tensors, document_ids, tokenizer_fingerprint,
                                   validation_batches)
 from pithtrain.train.log import QuietLog, RunLog, peak_memory_gb, plot_losses
-from pithtrain.train.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+from pithtrain.train.optim import build_optimizer, clip_grad_norm, lr_at, set_hyperparameters, set_lr
 
 
 def resolve_device(cfg: RunConfig) -> tuple[torch.device, torch.dtype | None]:
@@ -228,7 +228,8 @@ def check_tokenizer_matches(init_from: str, ds: PackedDataset, corpus_tokenizer:
 def refuse_to_overwrite(run_dir: str, ckpt_dir: str) -> None:
     """A fresh run (resume = none) must not write over the metrics or checkpoints of another."""
     found = checkpoint.complete_checkpoints(ckpt_dir)
-    if found or os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    if found or (os.path.exists(metrics) and os.path.getsize(metrics)):  # empty: a run that failed before step 1
         what = f"checkpoints up to step {found[-1][0]}" if found else "metrics.jsonl"
         raise ConfigError(
             f"log.run_dir {run_dir} already holds a run ({what}); continue it with checkpoint.resume=auto "
@@ -255,7 +256,11 @@ def train(cfg: RunConfig) -> dict:
     has_tok = os.path.isfile(train_ds.tokenizer_path)
     corpus_tokenizer = tokenizer_fingerprint(train_ds.tokenizer_path) if has_tok else None
     D = layout.data_ranks
-    val_idx = validation_batches(val_ds, d.micro_batch_size * D, d.val_batches)
+    # The first val_batches global batches (whole ones, if the split holds fewer): the same windows
+    # for any micro-batch size and rank count, so val_loss compares across layouts and resumes.
+    per_batch = d.micro_batch_size * D
+    whole = min(d.val_batches, len(val_ds) // d.global_batch_size) * d.global_batch_size
+    val_idx = validation_batches(val_ds, per_batch, (whole or len(val_ds)) // per_batch)
     sampler = GlobalBatchSampler(len(train_ds), d.global_batch_size, cfg.train.seed)
     launched = "TORCHELASTIC_RUN_ID" in os.environ or layout.world > 1  # under torchrun: the sharded path
     mesh = init_distributed(layout, device.type, cfg.parallel.timeout_s) if launched else None
@@ -280,6 +285,10 @@ def train(cfg: RunConfig) -> dict:
     refused = []
     if resume == "auto":
         path, refused = checkpoint.newest_valid(ckpt_dir)
+        if path is None and refused:  # never start over on top of checkpoints that could not be read
+            raise checkpoint.CheckpointError(
+                f"checkpoint.resume = auto: no checkpoint in {ckpt_dir} passes verification ({'; '.join(refused)}); "
+                "name one with checkpoint.resume=PATH, or move the directory aside to start anew")
     else:
         path = None if resume == "none" else resume
     if path is not None:
@@ -290,6 +299,10 @@ def train(cfg: RunConfig) -> dict:
                               "with the corpus it was trained on, or start from its weights with checkpoint.init_from")
         start = state["step"]
         sampler.load_state_dict(state["data"])
+        set_hyperparameters(optimizer, cfg.optim)
+        if cfg.train.stop_at and start >= cfg.train.stop_at:
+            raise ConfigError(f"train.stop_at = {cfg.train.stop_at} but {path} is already at step {start}: "
+                              "raise train.stop_at, or set it to 0 to run to train.steps")
     elif cfg.checkpoint.init_from:
         check_tokenizer_matches(cfg.checkpoint.init_from, train_ds, corpus_tokenizer)
         checkpoint.load_weights(cfg.checkpoint.init_from, model)
@@ -361,7 +374,8 @@ def train(cfg: RunConfig) -> dict:
         log.advance()
         every = cfg.checkpoint.every
         stop = not is_last and last["stop"]
-        if (every and done % every == 0) or (is_last and cfg.checkpoint.save_final) or stop:
+        paused = is_last and done < cfg.train.steps  # stop_at: always saved, to resume from
+        if (every and done % every == 0) or (is_last and cfg.checkpoint.save_final) or paused or stop:
             t_save = time.perf_counter()
             checkpoint.save(ckpt_dir, done, model, optimizer,
                             {"data": sampler.state_dict(), "lr": lr, "tokenizer": corpus_tokenizer},

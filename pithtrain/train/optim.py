@@ -46,13 +46,21 @@ class AdamW(torch.optim.AdamW):
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> AdamW:
-    """Parameters of two or more dimensions (projections, experts, embeddings) get weight decay;
-    norms and biases do not."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    """Matrices (projections, experts, embeddings) get weight decay; norms, sinks and biases
+    (GPT-OSS's per-expert biases [E, n] too) do not."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    decay = [p for n, p in params if p.ndim >= 2 and not n.endswith("bias")]
+    no_decay = [p for n, p in params if p.ndim < 2 or n.endswith("bias")]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    fused = all(p.is_cuda for p in decay + no_decay)
+    fused = all(p.is_cuda for _, p in params)
     return AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None)
+
+
+def set_hyperparameters(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> None:
+    """The config's betas, eps and weight decay on the groups of `build_optimizer`: a resumed
+    optimizer state brings the saved ones, and the run follows its config (as it does for lr)."""
+    for group, weight_decay in zip(optimizer.param_groups, (cfg.weight_decay, 0.0), strict=True):
+        group.update(betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=weight_decay)
 
 
 def lr_at(step: int, total: int, cfg: OptimConfig) -> float:
