@@ -300,10 +300,13 @@ def test_packed_dataset_errors(corpus, tmp_path):
 def test_validation_batches(corpus):
     val = D.PackedDataset(corpus, "val", 8)
     n = len(val)
-    assert D.validation_batches(val, 2, 3) == [[0, 1], [2, 3], [4, 5]]
-    assert len(D.validation_batches(val, 2, 10**6)) == n // 2
+    assert D.validation_batches(val, 2, 4, 1) == [[0, 1], [2, 3]]
+    flat = [i for b in D.validation_batches(val, 1, 4, 2) for i in b]
+    assert flat == [i for b in D.validation_batches(val, 4, 4, 2) for i in b] == list(range(8))  # any batch size
+    assert len(D.validation_batches(val, 2, 4, 10**6)) == n // 4 * 2  # whole global batches only
+    assert len(D.validation_batches(val, 1, n + 1, 1)) == n  # less than one global batch: the whole split
     with pytest.raises(D.CorpusError, match="val_fraction"):
-        D.validation_batches(val, n + 1, 1)
+        D.validation_batches(val, n + 1, n + 1, 1)
 
 
 def test_sampler_epochs_and_determinism():

@@ -705,14 +705,17 @@ def document_ids(dataset: PackedDataset, indices: list[int]) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
-def validation_batches(dataset: PackedDataset, batch_size: int, n_batches: int) -> list[list[int]]:
-    """Fixed, unshuffled validation batches: the first n_batches*batch_size windows (fewer if the split is small)."""
+def validation_batches(dataset: PackedDataset, batch_size: int, global_batch: int, n_global: int) -> list[list[int]]:
+    """Fixed, unshuffled validation batches of `batch_size` (a micro-batch on every data rank): the first
+    `n_global` global batches of windows, whole ones only (the whole split if it holds less than one), so the
+    windows are the same for any micro-batch size and rank count and val_loss compares across layouts."""
     n = len(dataset)
     if n < batch_size:
         raise CorpusError(f"the {dataset.split} split has {n} windows of seq_len {dataset.seq_len}, fewer than one "
                           f"batch of {batch_size}; lower the batch size or data.seq_len, or rebuild the corpus "
                           "with a larger val_fraction")
-    return [list(range(b * batch_size, (b + 1) * batch_size)) for b in range(max(1, min(n_batches, n // batch_size)))]
+    windows = min(n_global, n // global_batch) * global_batch or n
+    return [list(range(b * batch_size, (b + 1) * batch_size)) for b in range(windows // batch_size)]
 
 
 # ----------------------------------------------------------------------------- CLI

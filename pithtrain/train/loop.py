@@ -256,11 +256,7 @@ def train(cfg: RunConfig) -> dict:
     has_tok = os.path.isfile(train_ds.tokenizer_path)
     corpus_tokenizer = tokenizer_fingerprint(train_ds.tokenizer_path) if has_tok else None
     D = layout.data_ranks
-    # The first val_batches global batches (whole ones, if the split holds fewer): the same windows
-    # for any micro-batch size and rank count, so val_loss compares across layouts and resumes.
-    per_batch = d.micro_batch_size * D
-    whole = min(d.val_batches, len(val_ds) // d.global_batch_size) * d.global_batch_size
-    val_idx = validation_batches(val_ds, per_batch, (whole or len(val_ds)) // per_batch)
+    val_idx = validation_batches(val_ds, d.micro_batch_size * D, d.global_batch_size, d.val_batches)
     sampler = GlobalBatchSampler(len(train_ds), d.global_batch_size, cfg.train.seed)
     launched = "TORCHELASTIC_RUN_ID" in os.environ or layout.world > 1  # under torchrun: the sharded path
     mesh = init_distributed(layout, device.type, cfg.parallel.timeout_s) if launched else None

@@ -51,9 +51,10 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> AdamW:
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     decay = [p for n, p in params if p.ndim >= 2 and not n.endswith("bias")]
     no_decay = [p for n, p in params if p.ndim < 2 or n.endswith("bias")]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     fused = all(p.is_cuda for _, p in params)
-    return AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None)
+    optimizer = AdamW([{"params": decay}, {"params": no_decay}], lr=cfg.lr, fused=fused or None)
+    set_hyperparameters(optimizer, cfg)
+    return optimizer
 
 
 def set_hyperparameters(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> None:
