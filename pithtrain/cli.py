@@ -44,15 +44,18 @@ def cmd_build_corpus(args) -> int:
 
 
 def parse_size(text: str) -> int:
-    """'5GB', '500MB', '2**30' or a plain byte count -> bytes."""
+    """'5GB', '500MB', '1.5GB' or a plain byte count -> bytes (positive)."""
     units = {"KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40}
     t = text.strip().upper()
-    for unit, factor in units.items():
-        if t.endswith(unit):
-            return int(float(t[:-len(unit)]) * factor)
-    if not t.isdigit():
-        raise ConfigError(f"--max-shard-size {text!r}: give bytes or a size like 500MB / 5GB")
-    return int(t)
+    factor = next((f for u, f in units.items() if t.endswith(u)), 1)
+    number = t[:-2] if factor > 1 else t
+    try:
+        size = int(float(number) * factor) if factor > 1 else int(number)
+    except ValueError:
+        size = 0
+    if size <= 0:
+        raise ConfigError(f"--max-shard-size {text!r}: give a positive byte count or a size like 500MB / 5GB")
+    return size
 
 
 def cmd_convert(args) -> int:

@@ -220,3 +220,14 @@ def test_deepseek_v3_prediction_layers_are_ignored_on_import(tmp_path):
     info = hf.hf_to_dcp(str(src), str(tmp_path / "dcp"))
     assert not any(n.startswith("model.layers.3.") for n in checkpoint.stored_tensors(str(tmp_path / "dcp")))
     assert info["tensors"] == len(checkpoint.stored_tensors(str(tmp_path / "dcp")))
+
+
+def test_shard_size_parsing():
+    from pithtrain.cli import parse_size
+    from pithtrain.config import ConfigError
+
+    assert parse_size("5GB") == 5 * 2**30 and parse_size("1.5gb") == 3 * 2**29
+    assert parse_size("500MB") == 500 * 2**20 and parse_size("4096") == 4096
+    for bad in ["0", "-5GB", "abcGB", "5 GiB", "", "0MB"]:
+        with pytest.raises(ConfigError, match="max-shard-size"):
+            parse_size(bad)
