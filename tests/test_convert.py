@@ -231,3 +231,24 @@ def test_shard_size_parsing():
     for bad in ["0", "-5GB", "abcGB", "5 GiB", "", "0MB"]:
         with pytest.raises(ConfigError, match="max-shard-size"):
             parse_size(bad)
+
+
+def test_deepseek_without_shared_experts_round_trips(tmp_path):
+    """n_shared_experts = 0: transformers builds (and saves) zero-width shared experts, we build none;
+    the import ignores those empty tensors and the export loads back into transformers."""
+    cfg = dict(CASES["deepseek_v3"], n_shared_experts=0)
+    ours, theirs = random_model(cfg), hf_model(cfg)
+    missing, unexpected = theirs.load_state_dict(ours.state_dict(), strict=False)
+    assert not unexpected and missing and all(".shared_experts." in n for n in missing)
+    theirs.save_pretrained(tmp_path / "hf", max_shard_size="40KB")
+    hf.hf_to_dcp(str(tmp_path / "hf"), str(tmp_path / "dcp"))
+    assert not any("shared_experts" in n for n in checkpoint.stored_tensors(str(tmp_path / "dcp")))
+    loaded = build_model(cfg)
+    checkpoint.load_weights(str(tmp_path / "dcp"), loaded)
+    ids = torch.randint(0, cfg["vocab_size"], (2, 12))
+    with torch.no_grad():
+        assert rel(loaded(ids), theirs(ids).logits) < 1e-5
+    hf.dcp_to_hf(str(tmp_path / "dcp"), str(tmp_path / "out"))
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    with torch.no_grad():
+        assert rel(back(ids).logits, theirs(ids).logits) < 1e-5

@@ -18,8 +18,9 @@ Name mapping (ours = transformers' in-memory names):
   export writes the per-expert form;
 - GPT-OSS experts: `gate_up_proj_blocks` / `_scales` (MXFP4) are dequantized and transposed to our
   [E, H, 2I]; bf16 checkpoints already use our names, and export writes those.
-Ignored on import: `rotary_emb.inv_freq` buffers and DeepSeek-V3's multi-token-prediction layers
-(indices >= num_hidden_layers), which transformers ignores too.
+Ignored on import: `rotary_emb.inv_freq` buffers, DeepSeek-V3's multi-token-prediction layers
+(indices >= num_hidden_layers), which transformers ignores too, and the zero-width shared experts
+that transformers saves for a DeepSeek config with `n_shared_experts = 0`.
 """
 
 from __future__ import annotations
@@ -159,6 +160,8 @@ def _source(name: str, want: tuple, hf: SafetensorsFolder, transposed: bool) -> 
 def _ignored(name: str, hf_config: dict) -> bool:
     if name.endswith("rotary_emb.inv_freq"):
         return True
+    if ".mlp.shared_experts." in name and not hf_config.get("n_shared_experts", 1):
+        return True  # DeepSeek without shared experts: transformers saves them zero-width
     m = re.match(r"^model\.layers\.(\d+)\.", name)
     return hf_config.get("model_type") == "deepseek_v3" and m is not None and \
         int(m.group(1)) >= hf_config["num_hidden_layers"]
