@@ -82,13 +82,41 @@ def test_first_nonfinite_module_is_named():
     assert first_nonfinite_module(model, lambda: model(batch[0][0])) is None
 
 
+def test_halt_runs_again_the_micro_batch_that_went_non_finite():
+    """The NaN sits in an embedding row that only the second micro-batch looks up: the halt names
+    that micro-batch and the embedding, not a finite forward of the first."""
+    model, _ = tiny()
+    first = torch.full((2, 16), 1)
+    second = first.clone()
+    second[1, 5] = 2
+    with torch.no_grad():
+        model.model.embed_tokens.weight[2, 0] = float("nan")
+    batches = [(first, first), (second, second)]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TrainingHalted, match="micro-batch 2 of 2: model.embed_tokens"):
+        train_step(model, opt, batches, 1.0, torch.device("cpu"), None, guard=StepGuard("halt", 3, 0.0, 20), step=1)
+
+
+def test_sigterm_during_a_step_stops_after_that_step():
+    """The flag is read at the step's decision, not when the step starts."""
+    from pithtrain.train.guard import Preemption
+
+    model, batch = tiny()
+    preemption = Preemption()
+    handle = model.model.norm.register_forward_hook(lambda *a: setattr(preemption, "flag", True))
+    out = train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, 1.0, torch.device("cpu"), None,
+                     guard=StepGuard("halt", 3, 0.0, 20), step=1, preemption=preemption)
+    handle.remove()
+    assert out["stop"] is True and out["skipped"] is None
+
+
 def test_halt_names_step_rank_and_module(tiny_corpus, tmp_path):
     toml = write_run(tmp_path, tiny_corpus)
     proc = run_cli("train", toml, "train.steps=6", "train.device=cpu", "log.every=1",
                    env={"PITHTRAIN_FAULT": "nan-loss:3"}, check=False)
     assert proc.returncode == 3, proc.stderr
     assert "training halted (rank 0): step 3: non-finite loss on rank(s) [0]" in proc.stderr
-    assert "forward of its first micro-batch stays finite" in proc.stderr  # the NaN was put into the loss
+    assert "forward of micro-batch 1 of 2 stays finite" in proc.stderr  # the NaN was put into the loss
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         assert max(json.loads(line)["step"] for line in f) <= 2  # nothing was logged for step 3
 

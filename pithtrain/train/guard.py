@@ -3,8 +3,9 @@
 - Non-finite loss or gradient (`train.nonfinite`): checked after backward, before the optimizer
   step, on every rank alike (the flags are all-reduced). `halt` stops the run with the step, the
   ranks whose loss went non-finite and the first module whose forward output did (found by
-  running the first micro-batch again with forward hooks); `skip` drops the step (no update, the
-  gradients are discarded), counts it, and stops after `train.max_skips` skipped steps in a row.
+  running again, with forward hooks, the first micro-batch whose loss went non-finite); `skip`
+  drops the step (no update, the gradients are discarded), counts it, and stops after
+  `train.max_skips` skipped steps in a row.
 - Loss spikes (`train.spike_factor` > 0): a step whose loss exceeds factor x the mean of the last
   `train.spike_window` applied steps is skipped the same way (once the window is full).
 - SIGTERM (a preempting scheduler): the handler only sets a flag; every rank learns of it in the

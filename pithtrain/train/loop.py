@@ -156,11 +156,12 @@ def _device_batch(mb: tuple, device) -> tuple:
 
 def train_step(model: CausalLM, optimizer, micro_batches: list, grad_clip: float, device, amp,
                mesh: Mesh | None = None, guard: StepGuard | None = None, step: int = 0,
-               stop_requested: bool = False) -> dict:
+               preemption: Preemption | None = None) -> dict:
     """Forward/backward over this rank's micro-batches (input_ids, labels[, position_ids[, doc_ids]]),
     clip, and the optimizer step unless `guard` skips it (`out["skipped"]`: the reason) or halts
     the run (non-finite values under train.nonfinite = halt). `step` is 1-based; `out["stop"]`: some
-    rank was asked to stop (`stop_requested`, SIGTERM), decided with the guard's all-reduce.
+    rank was asked to stop (SIGTERM: `preemption.flag`, read at the guard's all-reduce, so a signal
+    that arrives during this step's forward or backward stops the run after this step).
     Returns device tensors; host synchronisations: the global token count (distributed) and the
     guard's decision."""
     counts = [int((mb[1] != -100).sum()) for mb in micro_batches]  # on the host, before upload
@@ -169,6 +170,7 @@ def train_step(model: CausalLM, optimizer, micro_batches: list, grad_clip: float
         n_tokens = int(_sum(torch.tensor([n_tokens], device=device), mesh).item())
     inject_failure(step)
     loss_sum = torch.zeros((), device=device)
+    finite = []  # per micro-batch: its loss is finite (device flags, read only if the step halts)
     for mb, count in zip(micro_batches, counts):
         ids, labels, pos, docs = _device_batch(mb, device)
         share = count / n_tokens
@@ -180,23 +182,28 @@ def train_step(model: CausalLM, optimizer, micro_batches: list, grad_clip: float
             loss = loss * 100.0
         (loss / n_tokens).backward()
         loss_sum += loss.detach()
+        finite.append(torch.isfinite(loss.detach()))
     params = [p for p in model.parameters() if p.grad is not None]
     replicas = mesh.layout.dp_replicate if mesh is not None else 1
     grad_norm = clip_grad_norm(params, grad_clip, mesh.data_group if mesh is not None else None, replicas)
+    stop_requested = preemption is not None and preemption.flag
     reason, bad_ranks, stop = (guard.check(loss_sum, n_tokens, grad_norm, None, stop_requested) if guard is not None
                                else (None, [], False))
     if reason is not None and reason.startswith("non-finite") and guard.policy == "halt":
         optimizer.zero_grad(set_to_none=True)
-        ids, labels, pos, docs = _device_batch(micro_batches[0], device)
+        # run again the first micro-batch whose loss went non-finite on this rank (the first one if none
+        # did: the gradient went non-finite, or another rank's loss did); every rank runs one forward
+        first_bad = next((i for i, ok in enumerate(torch.stack(finite).tolist()) if not ok), 0) if finite else 0
+        ids, labels, pos, docs = _device_batch(micro_batches[first_bad], device)
 
         def forward():
             with autocast(device, amp):
                 model(ids, labels=labels, position_ids=pos, doc_ids=docs)
 
         where = first_nonfinite_module(model, forward)
-        found = (f"the first module whose output went non-finite: {where}" if where else
-                 "the forward of its first micro-batch stays finite: the values went non-finite in the loss "
-                 "or the backward")
+        which = f"micro-batch {first_bad + 1} of {len(micro_batches)}"
+        found = (f"the first module whose output went non-finite in {which}: {where}" if where else
+                 f"the forward of {which} stays finite: the values went non-finite in the loss or the backward")
         raise TrainingHalted(f"step {step}: {reason}" + (f" on rank(s) {bad_ranks}" if bad_ranks else "") +
                              f"; {found}. Set train.nonfinite=skip to skip such steps, lower optim.lr, or resume "
                              "from an earlier checkpoint")
@@ -328,7 +335,7 @@ def train(cfg: RunConfig) -> dict:
         done = step + 1
         try:
             last = train_step(model, optimizer, micro, cfg.optim.grad_clip, device, amp, mesh, guard, done,
-                              preemption.flag)
+                              preemption)
             if last["skipped"] is not None:
                 log.say(f"step {done}: skipped ({last['skipped']}); {guard.skipped_in_a_row + 1} in a row, "
                         f"{guard.skipped_total + 1} in all")
