@@ -152,3 +152,18 @@ def test_the_validation_set_does_not_depend_on_the_micro_batch(tiny_corpus, tmp_
                                            "optim.min_lr=0", f"data.micro_batch_size={micro}"]))
         vals.append(summary["val_loss"])
     assert max(vals) - min(vals) < 1e-5 * vals[0], vals
+
+
+def test_resumed_log_drops_later_steps_and_a_torn_line(tmp_path, capsys):
+    """On resume at step 2 the records of steps 3.. go, and so does a last line cut short by a crash."""
+    from pithtrain.train.log import RunLog
+
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.write("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3)) + '{"step": 4, "lo')
+    log = RunLog(str(tmp_path), 10, 2, progress=False, tensorboard=False, wandb=False, wandb_project="",
+                 config={})
+    log.record({"step": 3, "loss": 0.5}, console=False)
+    log.close()
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")]
+    assert steps == [1, 2, 3] and "dropped 1 line(s)" in capsys.readouterr().out
+    assert not os.path.exists(tmp_path / "metrics.jsonl.tmp")

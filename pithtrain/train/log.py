@@ -39,9 +39,11 @@ class RunLog:
         os.makedirs(run_dir, exist_ok=True)
         self.total = total_steps
         self.path = os.path.join(run_dir, "metrics.jsonl")
-        self._truncate_after(start_step)
+        torn = self._truncate_after(start_step)
         self.file = open(self.path, "a")
         self.bar = None
+        if torn:
+            self.say(f"{self.path}: dropped {torn} line(s) that were not whole records (a write cut short)")
         if progress:
             from tqdm import tqdm
 
@@ -63,14 +65,27 @@ class RunLog:
             except ImportError:
                 self.say("log.wandb = true but wandb is not installed; pip install wandb")
 
-    def _truncate_after(self, step: int) -> None:
-        """On resume, drop records of steps after the checkpoint, so the log continues cleanly."""
+    def _truncate_after(self, step: int) -> int:
+        """On resume, drop records of steps after the checkpoint, so the log continues cleanly, and
+        lines that are not whole records (a write cut short by a crash or a full disk); returns how
+        many of those. The file is replaced atomically."""
         if not os.path.exists(self.path):
-            return
-        with open(self.path) as f:
-            keep = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
-        with open(self.path, "w") as f:
+            return 0
+        keep, torn = [], 0
+        with open(self.path, errors="replace") as f:
+            for line in f:
+                try:
+                    record_step = json.loads(line)["step"]
+                except (ValueError, KeyError, TypeError):
+                    torn += bool(line.strip())
+                    continue
+                if record_step <= step:
+                    keep.append(line)
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
             f.writelines(keep)
+        os.replace(tmp, self.path)
+        return torn
 
     def say(self, text: str) -> None:
         if self.bar is not None:
