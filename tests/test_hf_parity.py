@@ -85,7 +85,10 @@ def test_model_matches_transformers(case):
 
 @pytest.mark.parametrize("cfg, field", [(dict(DEEPSEEK_V3, mlp_bias=True), "mlp_bias"),
                                         (dict(QWEN3, attention_dropout=0.1), "attention_dropout"),
-                                        (dict(GPT_OSS, attention_dropout=0.5), "attention_dropout")])
+                                        (dict(GPT_OSS, attention_dropout=0.5), "attention_dropout"),
+                                        (dict(GPT_OSS, sliding_window=0), "sliding_window"),
+                                        (dict(GPT_OSS, sliding_window=-3), "sliding_window"),
+                                        (dict(GPT_OSS, sliding_window=2.5), "sliding_window")])
 def test_fields_transformers_reads_otherwise_are_refused(cfg, field):
     """A field we would build differently from transformers is refused, never silently dropped."""
     with pytest.raises(ValueError, match=field):

@@ -49,6 +49,11 @@ def settings(hf: dict) -> dict:
     if len(c["layer_types"]) != L or bad:
         raise ValueError(f"model.layer_types must list {L} entries of {list(LAYER_TYPES)}"
                          + (f"; found {bad}" if bad else f"; found {len(c['layer_types'])} entries"))
+    w = c["sliding_window"]
+    if "sliding_attention" in c["layer_types"] and w is not None and (isinstance(w, bool) or not isinstance(w, int)
+                                                                      or w < 1):
+        raise ValueError(f"model.sliding_window = {w!r}: a window of at least 1 token (each token sees itself "
+                         "and the window - 1 before it), or null for full attention in every layer")
     return c
 
 
