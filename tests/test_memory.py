@@ -102,3 +102,22 @@ def test_hsdp_replicas_hold_whole_states():
     fsdp8 = estimate_for_run(load_config(toml, []), world=8, data_ranks=8)
     assert hsdp.weights == fsdp4.weights == 2 * fsdp8.weights
     assert hsdp.optimizer == fsdp4.optimizer and hsdp.total == fsdp4.total
+
+
+def test_fsdp_gathers_the_local_experts_and_the_head():
+    """Several ranks: the gathered copies are the two largest layers (with this rank's 1/ep of the
+    experts) plus the head, which stays gathered between its forward and backward; in bf16 under
+    autocast, else in the parameters' dtype."""
+    cfg = dict(CASES["qwen3"], vocab_size=512, mlp_only_layers=[])  # every layer alike
+    with torch.device("meta"):
+        model = build_model(cfg)
+    layers = list(model.model.layers.values())
+    experts = sum(p.numel() for p in layers[0].mlp.experts.parameters())
+    dense = sum(p.numel() for p in layers[0].parameters()) - experts
+    head = model.lm_head.weight.numel()
+    for ep in (1, 2, 4):
+        est = estimate(model, tokens=64, param_dtype="fp32", autocast=True, world=4, ep=ep)
+        assert est.compute_copies == 2 * (2 * (dense + experts / ep) + head)
+    fp32 = estimate(model, tokens=64, param_dtype="fp32", autocast=False, world=4, ep=2)
+    assert fp32.compute_copies == 4 * (2 * (dense + experts / 2) + head)
+    assert fp32.weights == estimate(model, tokens=64, param_dtype="fp32", autocast=False, world=4).weights

@@ -6,8 +6,10 @@ allocated) and adds, per rank:
   (`train.param_dtype`), over the `world` ranks that FSDP shards them across;
 - compute copies of the weights: in one process under bf16 autocast with fp32 weights, every
   matrix is used as a bf16 copy that backward keeps (2 bytes per parameter of the layers and the
-  head); with several ranks, FSDP's all-gathered bf16 copy of the two largest layers (the one
-  computing, the one prefetched);
+  head); with several ranks, FSDP's all-gathered copies (bf16 under autocast, else in the
+  parameters' dtype) of the two largest layers (the one computing, the one prefetched; a layer's
+  gathered experts are its rank's 1/ep share under expert parallelism) and of the head, which stays
+  gathered from its forward to its backward;
 - activations kept for backward, per token of this rank's micro-batch and per layer, what the
   GPU path saves (compiled dense parts, Triton SwiGLU / permutation, FlexAttention or cuDNN
   attention keeping its output and log-sum-exp): layer input and normed input, q / k / v, the
@@ -103,19 +105,24 @@ def layer_activation_bytes(layer: nn.Module, a: int, recompute_attention: bool, 
 
 def estimate(model: nn.Module, *, tokens: int, param_dtype: str = "fp32", autocast: bool = True,
              world: int = 1, recompute: str = "none", ce_chunk: int = CHUNK,
-             accumulate: bool = True) -> MemoryEstimate:
-    """Per-rank estimate for `model` (meta device is enough) with `tokens` per micro-batch on this
-    rank (micro_batch_size * seq_len / cp), parameters sharded over `world` ranks; `accumulate`:
-    the step runs two or more micro-batches on this rank (else the backward walk of one)."""
+             accumulate: bool = True, ep: int = 1) -> MemoryEstimate:
+    """Per-rank estimate for `model` (meta device is enough; all experts, as one process builds it)
+    with `tokens` per micro-batch on this rank (micro_batch_size * seq_len / cp), parameters sharded
+    over `world` ranks, experts split over `ep` of them; `accumulate`: the step runs two or more
+    micro-batches on this rank (else the backward walk of one)."""
     state = 4 if param_dtype == "fp32" else 2
     a = 2 if (autocast or param_dtype == "bf16") else 4
     n = sum(p.numel() for p in model.parameters())
     layers = list(model.model.layers.values())
     head = model.lm_head.weight
     matrices = sum(p.numel() for layer in layers for p in layer.parameters() if p.ndim >= 2) + head.numel()
-    if world > 1:  # FSDP gathers a layer's weights in bf16 and frees them after use
-        sizes = sorted((sum(p.numel() for p in layer.parameters()) for layer in layers), reverse=True)
-        copies = 2 * sum(sizes[:2])
+    if world > 1:  # FSDP gathers a layer's weights (bf16 under autocast) and frees them after use
+        def gathered(layer):
+            experts = sum(p.numel() for p in layer.mlp.experts.parameters()) if layer.is_moe else 0
+            return sum(p.numel() for p in layer.parameters()) - experts + experts / ep
+
+        sizes = sorted((gathered(layer) for layer in layers), reverse=True)
+        copies = (2 if autocast else state) * (sum(sizes[:2]) + head.numel())
     else:  # autocast's bf16 copies of fp32 matrices live until backward has used them
         copies = matrices * 2 if (state == 4 and a == 2) else 0
     ra, rx = recompute in ("attention", "both"), recompute in ("experts", "both")
@@ -151,7 +158,7 @@ def estimate_for_run(cfg, world: int = 1, cp: int = 1, autocast: bool = True, da
     t, d = cfg.train, cfg.data
     return estimate(model, tokens=d.micro_batch_size * d.seq_len // cp, param_dtype=t.param_dtype,
                     autocast=autocast, world=world // cfg.parallel.dp_replicate, recompute=t.recompute,
-                    accumulate=d.global_batch_size > d.micro_batch_size * data_ranks)
+                    accumulate=d.global_batch_size > d.micro_batch_size * data_ranks, ep=cfg.parallel.ep)
 
 
 def check_fits(est: MemoryEstimate, device_bytes: int | None, world: int = 1) -> None:
