@@ -202,3 +202,24 @@ def test_init_from_single_process_weights_under_ep2(tmp_path, tiny_corpus, refer
         runs[name] = losses(str(d / "run"))
     for step in runs["single"]:
         assert runs["ep2"][step] == pytest.approx(runs["single"][step], rel=1e-5)
+
+
+def test_every_process_group_times_out_after_parallel_timeout_s(tmp_path):
+    """Not only the world group: the ep, dp, HSDP and expert-sharding groups that the meshes make
+    also give up after parallel.timeout_s (2 s here), not torch's default (30 min on gloo)."""
+    out = tmp_path / "waited.json"
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                           os.path.join(ROOT, "tests", "mesh_worker.py"), str(out)], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    waited = [(rank, name, s) for rank in (0, 1, 2) for name, s in json.loads(open(f"{out}.{rank}").read()).items()]
+    assert {"world ep", "dense replicate", "dense shard", "data"} <= {name for _, name, _ in waited}, waited
+    assert all(1.5 < s < 15 for _, _, s in waited), waited
+
+
+def test_layout_description_names_hsdp():
+    from pithtrain.parallel.mesh import Layout
+
+    assert Layout(world=8, dp=4, ep=2, dp_replicate=2).describe() == "dp4 (2 replicas x 2) x ep2"
+    assert Layout(world=4, dp=2, cp=2).describe() == "dp2 x cp2" and Layout(world=1).describe() == "single process"

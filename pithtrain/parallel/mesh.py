@@ -42,6 +42,8 @@ class Layout:
 
     def describe(self) -> str:
         parts = [f"{n}{v}" for n, v in (("pp", self.pp), ("dp", self.dp), ("cp", self.cp), ("ep", self.ep)) if v > 1]
+        if self.dp_replicate > 1:  # HSDP
+            parts[parts.index(f"dp{self.dp}")] += f" ({self.dp_replicate} replicas x {self.dp // self.dp_replicate})"
         return " x ".join(parts) or "single process"
 
 
@@ -127,9 +129,9 @@ def init_distributed(layout: Layout, device_type: str, timeout_s: float = 600) -
         device = torch.device("cuda", local)
     else:
         device = torch.device("cpu")
+    timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
-                                timeout=datetime.timedelta(seconds=timeout_s),
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timeout,
                                 device_id=device if device_type == "cuda" else None)
     L = layout
     rep, shard_dp = L.dp_replicate, L.dp // L.dp_replicate
@@ -140,6 +142,9 @@ def init_distributed(layout: Layout, device_type: str, timeout_s: float = 600) -
     exp_all = DeviceMesh(kind, ranks.permute(0, 4, 1, 2, 3).reshape(L.pp, L.ep, rep, -1),
                          mesh_dim_names=("pp", "ep", "replicate", "shard"))
     data = DeviceMesh(kind, ranks.reshape(L.pp, -1), mesh_dim_names=("pp", "data"))
+    for mesh in (world, dense_all, exp_all, data):  # new groups would get torch's default timeout
+        for group in mesh.get_all_groups():
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
     fsdp_dims = ("replicate", "shard") if rep > 1 else ("shard",)
     return Mesh(L, dist.get_rank(), device, world, dense_all[fsdp_dims], exp_all[fsdp_dims],
                 exp_all[("ep", *fsdp_dims)], data.get_group("data"))
