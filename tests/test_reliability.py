@@ -334,6 +334,19 @@ def test_a_corpus_from_another_tokenizer_is_refused(tiny_corpus, tmp_path):
                                  f"log.run_dir={tmp_path}/fresh"]))
 
 
+def test_a_checkpoint_with_the_vocabulary_only_fingerprint_resumes(tiny_corpus, tmp_path, monkeypatch):
+    """Checkpoints that hold the older fingerprint (the vocabulary alone) resume on their corpus."""
+    from pithtrain.train import loop
+    from pithtrain.train.data import vocabulary_fingerprint
+
+    toml = write_run(tmp_path, tiny_corpus, "device = \"cpu\"\n")
+    with monkeypatch.context() as m:
+        m.setattr(loop, "tokenizer_fingerprint", vocabulary_fingerprint)  # as the checkpoints were written then
+        loop.train(load_config(toml, ["train.steps=2", "optim.warmup_steps=1"]))
+    summary = loop.train(load_config(toml, ["train.steps=3", "optim.warmup_steps=1", "checkpoint.resume=auto"]))
+    assert summary["train_loss"] == summary["train_loss"]
+
+
 def test_deterministic_switch(tiny_corpus, tmp_path):
     """train.deterministic turns on torch's deterministic algorithms; on CPU two runs are equal."""
     from conftest import losses

@@ -75,6 +75,13 @@ def tokenizer_fingerprint(path: str) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def vocabulary_fingerprint(path: str) -> str:
+    """The older, vocabulary-only fingerprint (tokens and ids, added tokens included) that checkpoints
+    written before `tokenizer_fingerprint` covered merges and normalizers still hold; resume accepts it."""
+    vocab = load_tokenizer(path).get_vocab(with_added_tokens=True)
+    return hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()[:16]
+
+
 def find_eos_id(tok: Tokenizer, eos_token: str | None = None) -> int:
     """Id of the end-of-document token: ``eos_token`` if given, else the first usual EOS name in the vocab."""
     for name in [eos_token] if eos_token is not None else EOS_CANDIDATES:

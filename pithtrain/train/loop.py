@@ -33,7 +33,7 @@ from pithtrain.train import checkpoint
 from pithtrain.train.guard import (Preemption, StepGuard, TrainingHalted, first_nonfinite_module, silent_ranks,
                                    inject_failure, injected, out_of_memory_report)
 from pithtrain.train.data import (GlobalBatchSampler, PackedDataset, batch_tensors, document_ids, tokenizer_fingerprint,
-                                  validation_batches)
+                                  validation_batches, vocabulary_fingerprint)
 from pithtrain.train.log import QuietLog, RunLog, peak_memory_gb, plot_losses
 from pithtrain.train.optim import build_optimizer, clip_grad_norm, lr_at, set_hyperparameters, set_lr
 
@@ -296,7 +296,8 @@ def train(cfg: RunConfig) -> dict:
         path = None if resume == "none" else resume
     if path is not None:
         state = checkpoint.load(path, model, optimizer)
-        if state.get("tokenizer", corpus_tokenizer) != corpus_tokenizer:
+        saved = state.get("tokenizer", corpus_tokenizer)
+        if saved != corpus_tokenizer and not (has_tok and saved == vocabulary_fingerprint(train_ds.tokenizer_path)):
             raise ConfigError(f"checkpoint {path} was trained on a corpus with another tokenizer (fingerprint "
                               f"{state['tokenizer']}) than data.corpus = {d.corpus} ({corpus_tokenizer}); resume "
                               "with the corpus it was trained on, or start from its weights with checkpoint.init_from")
