@@ -38,6 +38,19 @@ def test_linear_cross_entropy_without_grad_and_all_ignored():
     assert loss.item() == 0 and h.grad.abs().max() == 0
 
 
+def test_bad_shapes_are_refused():
+    from pithtrain.ops.swiglu import clamped_swiglu, swiglu
+
+    h, w = torch.randn(6, 8), torch.randn(30, 8)
+    with pytest.raises(ValueError, match="one label per row"):
+        linear_cross_entropy(h, w, torch.zeros(5, dtype=torch.long))
+    torch.testing.assert_close(linear_cross_entropy(h, w, torch.arange(12)[::2]),  # a strided view is fine
+                               linear_cross_entropy_reference(h, w, torch.arange(12)[::2]))
+    for f in (swiglu, lambda x: clamped_swiglu(x, 1.702, 7.0)):
+        with pytest.raises(ValueError, match="pairs"):
+            f(torch.randn(3, 7))
+
+
 def test_triton_kernels_match_twins_in_the_interpreter():
     """Every Triton kernel against its torch twin on CPU, run by the Triton interpreter."""
     import os

@@ -120,7 +120,7 @@ def ce_forward(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int):
     if not use_triton(logits) or logits.shape[0] == 0:
         return ce_forward_reference(logits, labels, ignore_index)
     loss, lse = (torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device) for _ in range(2))
-    _ce_forward_kernel[(logits.shape[0],)](logits.contiguous(), labels, loss, lse, logits.shape[1], ignore_index,
+    _ce_forward_kernel[(logits.shape[0],)](logits.contiguous(), labels.contiguous(), loss, lse, logits.shape[1], ignore_index,
                                            BLOCK=2048, num_warps=8)
     return loss, lse
 
@@ -130,7 +130,7 @@ def ce_backward(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, i
     """`ce_backward_reference` in one pass, written over `logits` (a contiguous [n, V] buffer)."""
     if not use_triton(logits) or logits.shape[0] == 0 or not logits.is_contiguous():
         return ce_backward_reference(logits, lse, labels, ignore_index, scale)
-    _ce_backward_kernel[(logits.shape[0],)](logits, labels, lse, scale, logits.shape[1], ignore_index,
+    _ce_backward_kernel[(logits.shape[0],)](logits, labels.contiguous(), lse, scale, logits.shape[1], ignore_index,
                                             BLOCK=2048, num_warps=8)
     torch.autograd.graph.increment_version(logits)  # a saved tensor was overwritten: a second backward refuses
     return logits
@@ -200,8 +200,12 @@ CHUNK = 8192  # rows per chunk: a Qwen3 micro-batch of 2 x 4096 in one (2.5 GB o
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int | None = None,
                          ignore_index: int = -100) -> torch.Tensor:
     """Summed cross-entropy of logits h [N, H] @ weight [V, H]^T against labels [N] (ignore_index
-    rows count zero), in fp32, without the [N, V] logits; `chunk` rows at a time (default `CHUNK`)."""
-    return _LinearCrossEntropy.apply(h, weight, labels, chunk or CHUNK, ignore_index, _compute_dtype(h))
+    rows count zero), in fp32, without the [N, V] logits; `chunk` rows at a time (default `CHUNK`).
+    Labels must lie in [0, V) or equal ignore_index: the kernels do not check the range (the training
+    loop checks the corpus's vocabulary against the model's before it starts)."""
+    if labels.shape != (h.shape[0],):
+        raise ValueError(f"labels of shape {list(labels.shape)} for {h.shape[0]} rows of h: give one label per row")
+    return _LinearCrossEntropy.apply(h, weight, labels.contiguous(), chunk or CHUNK, ignore_index, _compute_dtype(h))
 
 
 def linear_cross_entropy_reference(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,

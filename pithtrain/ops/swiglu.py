@@ -131,8 +131,14 @@ class _Gated(torch.autograd.Function):
         return dx, None, None, None, None
 
 
+def _check_pairs(x: torch.Tensor) -> None:
+    if x.dim() != 2 or x.shape[1] % 2:
+        raise ValueError(f"a gated activation takes [rows, 2 x width] (gate and up values in pairs); got {list(x.shape)}")
+
+
 def swiglu(x: torch.Tensor) -> torch.Tensor:
     """[rows, 2I] halves [gate | up] -> [rows, I]."""
+    _check_pairs(x)
     if use_triton(x):
         return _Gated.apply(x, 1.0, 0.0, None, False)
     return swiglu_reference(x)
@@ -140,6 +146,7 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
 
 def clamped_swiglu(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """[rows, 2I] interleaved gate/up -> [rows, I], GPT-OSS's activation."""
+    _check_pairs(x)
     if use_triton(x):
         return _Gated.apply(x, float(alpha), 1.0, float(limit), True)
     return clamped_swiglu_reference(x, alpha, limit)
