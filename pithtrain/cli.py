@@ -1,4 +1,4 @@
-"""`pithtrain train | build-corpus | convert | demo`: the command line."""
+"""`pithtrain train | build-corpus | convert | demo | memory | bench`: the command line."""
 
 from __future__ import annotations
 
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("demo", help="build the demo corpus and train the tiny MoE demo model on it")
     p.add_argument("--work-dir", default="runs", help="where the corpus and the run go (default: runs)")
     p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1))
-    p.add_argument("overrides", nargs="*", help="section.key=value overrides of examples/demo.toml")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides of examples/demo/demo.toml")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("memory", help="estimate the peak memory per rank of a training run, nothing allocated")

@@ -35,7 +35,7 @@ class TrainConfig:
     compile: Literal["auto", "on", "off"] = "auto"  # torch.compile of the dense parts; auto: on with CUDA
     recompute: Literal["none", "attention", "experts", "both"] = "none"  # activation recompute in backward
     # A non-finite loss or gradient: halt (stop, naming the step, the ranks and the first module whose
-    # output went non-finite) or skip the step (stop after max_skips skipped steps in a row).
+    # output went non-finite) or skip the step (stop when more than max_skips steps in a row are skipped).
     nonfinite: Literal["halt", "skip"] = "halt"
     deterministic: bool = False  # bitwise repeatable runs: deterministic kernels only (slower; errors name an op without one)
     max_skips: int = 3

@@ -11,7 +11,8 @@ what the world size leaves: dp = world / (pp * cp * ep). Roles:
 - `dp_replicate` > 1 makes FSDP hybrid (HSDP): dp splits into dp_replicate groups (e.g. nodes)
   that each hold a full sharded copy, gradients all-reduced between them.
 Multi-node runs use torchrun's rendezvous (and SLURM through it); this module only reads the
-environment torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
+environment torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT; the training
+loop also reads TORCHELASTIC_RUN_ID to know it runs under torchrun).
 """
 
 from __future__ import annotations

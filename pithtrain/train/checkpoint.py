@@ -4,6 +4,7 @@ Layout of `<dir>/step-NNNNNNNN/`:
   *.distcp, .metadata     model and optimizer state (DCP; loads into any sharding)
   rng-rank{R}.pt          each rank's RNG states
   trainer.json            step, data position, LR schedule state, anything else of the loop
+  config.json             the model's Hugging Face config
   complete.json           written last: each file's size and CRC-32; its presence marks completion
 A save goes to `.tmp-step-NNNNNNNN/` and is renamed when complete, so a save killed at any point
 leaves the earlier checkpoints untouched and the partial one ignored (and removed at the next
@@ -46,6 +47,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from pithtrain.train.guard import injected
+
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 MARKER = "complete.json"
 logger = logging.getLogger("pithtrain.checkpoint")
@@ -68,8 +71,9 @@ def _barrier() -> None:
 
 
 def fault_point(name: str, step: int) -> None:
-    """Fault injection for tests: PITHTRAIN_FAULT=<name>:<step> kills the process right here."""
-    if os.environ.get("PITHTRAIN_FAULT") == f"{name}:{step}":
+    """Fault injection for tests: PITHTRAIN_FAULT=<name>:<step>[:<rank>] kills the process (of that
+    rank, else any that gets here) right here."""
+    if injected(name, step):
         os._exit(137)
 
 

@@ -4,8 +4,8 @@
   step, on every rank alike (the flags are all-reduced). `halt` stops the run with the step, the
   ranks whose loss went non-finite and the first module whose forward output did (found by
   running again, with forward hooks, the first micro-batch whose loss went non-finite); `skip`
-  drops the step (no update, the gradients are discarded), counts it, and stops after
-  `train.max_skips` skipped steps in a row.
+  drops the step (no update, the gradients are discarded), counts it, and stops when more than
+  `train.max_skips` steps in a row are skipped.
 - Loss spikes (`train.spike_factor` > 0): a step whose loss exceeds factor x the mean of the last
   `train.spike_window` applied steps is skipped the same way (once the window is full).
 - SIGTERM (a preempting scheduler): the handler only sets a flag; every rank learns of it in the
