@@ -1,6 +1,8 @@
 """Kernel-vs-twin checks shared by the CPU interpreter test (tests/test_ops.py runs this file with
 TRITON_INTERPRET=1) and the GPU tests (tests/test_gpu.py calls `run_all("cuda")`)."""
 
+import collections
+import contextlib
 import sys
 
 import torch
@@ -12,6 +14,52 @@ from pithtrain.ops import embedding as em
 from pithtrain.ops import expert_bias as eb
 from pithtrain.ops import permute as pm
 from pithtrain.ops import swiglu as sw
+
+
+LAUNCHED: collections.Counter = collections.Counter()  # Triton kernel launches by kernel name
+
+
+@contextlib.contextmanager
+def counting_launches():
+    """Count every Triton kernel launch (compiled or interpreted) by name while it is open."""
+    import triton.runtime.jit as jit
+
+    classes = [jit.JITFunction]
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        classes.append(InterpretedFunction)
+    except ImportError:
+        pass
+    originals = {cls: cls.__dict__.get("run") for cls in classes}  # None: inherited
+
+    def counting(run):
+        def counted(self, *args, **kwargs):
+            if not kwargs.get("warmup"):
+                LAUNCHED[self.fn.__name__] += 1
+            return run(self, *args, **kwargs)
+        return counted
+
+    for cls in classes:
+        cls.run = counting(cls.run)
+    try:
+        yield
+    finally:
+        for cls, run in originals.items():
+            if run is None:
+                del cls.run
+            else:
+                cls.run = run
+
+
+@contextlib.contextmanager
+def kernels_run(*names: str):
+    """The block must launch each of these Triton kernels: an op that fell back to its torch twin
+    would compare the twin with itself."""
+    before = {n: LAUNCHED[n] for n in names}
+    yield
+    missing = [n for n in names if LAUNCHED[n] == before[n]]
+    assert not missing, f"Triton kernels {missing} never ran: the ops took their torch twins"
 
 
 def _compare(fn, ref, x, tol):
@@ -259,15 +307,24 @@ def check_adamw_on_dtensors() -> None:
 
 
 def run_all(device: str) -> None:
-    check_adamw(device)
-    if device == "cpu":
-        check_adamw_on_dtensors()
-    check_expert_bias(device)
-    check_swiglu(device)
-    check_permute(device)
-    check_cross_entropy_rows(device)
-    check_scaled(device)
-    check_embedding(device)
+    """Every check, each proving that its kernels ran (launches counted by name)."""
+    with counting_launches():
+        with kernels_run("_adamw"):
+            check_adamw(device)
+            if device == "cpu":
+                check_adamw_on_dtensors()
+        with kernels_run("_add_bias_kernel", "_segment_sum_kernel"):
+            check_expert_bias(device)
+        with kernels_run("_gated_forward", "_gated_backward"):
+            check_swiglu(device)
+        with kernels_run("_scatter_rows_kernel", "_sum_slots_kernel"):
+            check_permute(device)
+        with kernels_run("_ce_forward_kernel", "_ce_backward_kernel"):
+            check_cross_entropy_rows(device)
+        with kernels_run("_scale_kernel"):
+            check_scaled(device)
+        with kernels_run("_embedding_backward_kernel"):
+            check_embedding(device)
 
 
 if __name__ == "__main__":

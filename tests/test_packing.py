@@ -63,11 +63,27 @@ def test_document_ids_follow_the_corpus_documents(tiny_corpus):
     assert found > 0  # the windows looked at do cross document boundaries
 
 
-def test_document_mask_trains_and_refuses_context_parallel(tiny_corpus, tmp_path):
+def test_document_mask_trains_and_refuses_context_parallel(tiny_corpus, tmp_path, monkeypatch):
+    """data.document_mask hands the model each sequence's document ids and the run trains; without
+    it the model gets none; context parallel refuses it."""
+    from pithtrain.layers.transformer import CausalLM
     from pithtrain.train.loop import train
 
+    seen = []
+    forward = CausalLM.forward
+
+    def spy(self, *args, doc_ids=None, **kwargs):
+        seen.append(doc_ids)
+        return forward(self, *args, doc_ids=doc_ids, **kwargs)
+
+    monkeypatch.setattr(CausalLM, "forward", spy)
     toml = write_run(tmp_path, tiny_corpus)
     summary = train(load_config(toml, ["train.steps=3", "data.document_mask=true", "train.device=cpu"]))
     assert np.isfinite(summary["train_loss"])
+    assert seen and all(d is not None and d.shape == (2, 32) for d in seen), seen
+    seen.clear()
+    train(load_config(toml, ["train.steps=1", "optim.warmup_steps=1", "train.device=cpu",
+                             f"log.run_dir={tmp_path}/plain"]))
+    assert seen and all(d is None for d in seen)
     with pytest.raises(ConfigError, match="document_mask"):
         load_config(toml, ["data.document_mask=true", "parallel.cp=2"])

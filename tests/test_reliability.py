@@ -364,6 +364,19 @@ def test_deterministic_switch(tiny_corpus, tmp_path):
         torch.use_deterministic_algorithms(False)
 
 
+def test_the_deterministic_option_reaches_the_switch(tiny_corpus, tmp_path, monkeypatch):
+    """train() calls set_deterministic when train.deterministic is on, and only then."""
+    from pithtrain.train import loop
+
+    switched = []
+    monkeypatch.setattr(loop, "set_deterministic", lambda: switched.append(True))
+    toml = write_run(tmp_path, tiny_corpus, "device = \"cpu\"\n")
+    for flag in ("false", "true"):
+        loop.train(load_config(toml, ["train.steps=1", "optim.warmup_steps=1", f"train.deterministic={flag}",
+                                      f"log.run_dir={tmp_path}/{flag}"]))
+    assert switched == [True]
+
+
 def test_a_run_that_cannot_fit_is_refused_before_allocation():
     """The memory estimate (tools/memory.py) against a 139 GB device: Qwen3-30B-A3B (30.5 B
     parameters, built on the meta device) cannot train on one GPU (the states alone: more ranks or
