@@ -6,7 +6,8 @@ Shapes are a Qwen3-30B-A3B micro-batch (8192 tokens, hidden 2048, 128 experts to
 768) unless stated. Memory-bound kernels (SwiGLU, permute / combine) report GB/s (bytes each must
 read and write once) against a device copy (`clone` of 1 GiB, read + write); grouped GEMM reports
 TFLOP/s against a bf16 8192^3 matmul; attention reports fwd+bwd TFLOP/s per backend (causal
-FLOPs: 4 * B * H * S^2 / 2 * D forward, 2.5x that for forward + backward). Each figure is the
+FLOPs: 4 * B * H * S^2 / 2 * D forward, 3x that for forward + backward, the model-FLOP count
+without the backward's recomputation of the scores). Each figure is the
 median over 10 windows of 10 back-to-back calls (`timed`).
 """
 
@@ -191,7 +192,7 @@ def attention_bench(batch: int, seq: int, heads: int, kv_heads: int, dim: int) -
     q = torch.randn(batch, heads, seq, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(batch, kv_heads, seq, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn_like(k, requires_grad=True)
-    flops = 2.5 * 4 * batch * heads * seq * seq / 2 * dim
+    flops = 3 * 4 * batch * heads * seq * seq / 2 * dim
     out = {}
     for name, backend in [("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
                           ("efficient", SDPBackend.EFFICIENT_ATTENTION)]:

@@ -10,8 +10,8 @@
   keys of its own document.
 
 Backends, chosen per call:
-- plain causal attention: SDPA (on the H200 torch picks cuDNN's kernel, ~335 TFLOP/s fwd+bwd on
-  Qwen3's shape against ~180 for flash; benchmarks/kernels.py measures both);
+- plain causal attention: SDPA (on the H200 torch picks cuDNN's kernel, ~400 TFLOP/s fwd+bwd on
+  Qwen3's shape against ~215 for flash; benchmarks/kernels.py measures both);
 - any mask option on CUDA: FlexAttention (compiled once; `CausalLM.context` makes the block masks
   of a micro-batch and hands them over in `ctx.masks`), whose block mask skips the key blocks a
   window or a document boundary rules out, instead of computing the whole S x S square. Sinks are
