@@ -87,13 +87,13 @@ def cmd_convert(args) -> int:
 
 def cmd_demo(args) -> int:
     """Build the demo corpus (once) and train the tiny MoE on it."""
-    from pithtrain.train.data import build_corpus
+    from pithtrain.train.data import DEMO, build_corpus
     from pithtrain.train.loop import train
 
     corpus = os.path.join(args.work_dir, "demo-corpus")
     if not os.path.exists(os.path.join(corpus, "meta.json")):
         print(f"building the demo corpus in {corpus} (Python standard library sources)", flush=True)
-        meta = build_corpus(["demo"], corpus, None, workers=args.workers, demo_vocab_size=4096,
+        meta = build_corpus([DEMO], corpus, None, workers=args.workers, demo_vocab_size=4096,
                             val_fraction=0.02)
         print(f"  {meta['splits']['train']['tokens']:,} train / {meta['splits']['val']['tokens']:,} "
               f"validation tokens", flush=True)

@@ -329,7 +329,8 @@ def test_sampler_resume():
     for _ in range(9):
         ref.next_batch()
     sd = json.loads(json.dumps(ref.state_dict()))  # survives a checkpoint round trip
-    assert sd == {"epoch": 1, "offset": 8, "seed": 1, "n_samples": 30, "global_batch": 4}
+    assert sd == {"epoch": 1, "offset": 8, "seed": 1, "n_samples": 30, "global_batch": 4, "seq_len": None,
+                  "tokens": None}
     resumed = D.GlobalBatchSampler(30, 4, seed=1)
     resumed.load_state_dict(sd)
     assert [resumed.next_batch() for _ in range(20)] == [ref.next_batch() for _ in range(20)]
@@ -340,6 +341,29 @@ def test_sampler_resume():
         D.GlobalBatchSampler(31, 4, seed=1).load_state_dict(sd)
     with pytest.raises(D.CorpusError, match="seed"):
         D.GlobalBatchSampler(30, 4, seed=2).load_state_dict(sd)
+
+
+def test_sampler_resume_refuses_another_seq_len_or_corpus_with_the_same_window_count():
+    """9,600 tokens make 95 windows at seq_len 100 and at 101: the window count alone cannot tell."""
+    sd = D.GlobalBatchSampler(95, 4, seed=1, seq_len=100, tokens=9600).state_dict()
+    with pytest.raises(D.CorpusError, match="data.seq_len=100"):
+        D.GlobalBatchSampler(95, 4, seed=1, seq_len=101, tokens=9600).load_state_dict(sd)
+    with pytest.raises(D.CorpusError, match="the corpus changed"):
+        D.GlobalBatchSampler(95, 4, seed=1, seq_len=100, tokens=9601).load_state_dict(sd)
+    D.GlobalBatchSampler(95, 8, seed=1, seq_len=100, tokens=9600).load_state_dict(sd)  # another global batch: fine
+    old = {k: v for k, v in sd.items() if k not in ("seq_len", "tokens")}  # a state saved without them
+    D.GlobalBatchSampler(95, 4, seed=1, seq_len=101, tokens=9600).load_state_dict(old)
+
+
+def test_a_folder_named_demo_is_not_taken_for_the_demo_corpus(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "demo").mkdir()
+    (tmp_path / "demo" / "a.txt").write_text("hello")
+    with pytest.raises(D.CorpusError, match="pass ./demo"):
+        D.build_corpus(["demo"], str(tmp_path / "out"), None, workers=1)
+    monkeypatch.setattr(D, "demo_texts", lambda: ["def f():\n    return 1\n"] * 40)  # `pithtrain demo`'s spelling
+    meta = D.build_corpus([D.DEMO], str(tmp_path / "out"), None, workers=1, demo_vocab_size=300)
+    assert meta["sources"][0]["path"] == D.DEMO
 
 
 def test_demo_texts():
@@ -435,3 +459,15 @@ def test_missing_optional_package(tmp_path, tok_path, monkeypatch, fmt):
         with pytest.raises(D.CorpusError, match=r"needs the optional package .*pip install -e '\.\[data\]'"):
             D.build_corpus([src], str(tmp_path / "c"), tok_path, workers=1, skip_bad_files=skip)
     assert leftovers(tmp_path / "c") == []
+
+
+def test_an_empty_split_takes_a_document_and_says_how_much(tmp_path, tok_path, caplog):
+    """val_fraction 0 leaves validation empty: the last training document moves there, with a
+    warning of its size; a validation split too short for a window names --val-fraction."""
+    docs = [f"{d} {i}" for i in range(4) for d in DOCS]
+    out = str(tmp_path / "c")
+    with caplog.at_level("WARNING", logger="pithtrain.data"):
+        meta = D.build_corpus([write_jsonl(tmp_path / "d.jsonl", docs)], out, tok_path, val_fraction=0.0, workers=1)
+    assert meta["splits"]["val"]["docs"] == 1 and "the val split was empty" in caplog.text
+    with pytest.raises(D.CorpusError, match="larger --val-fraction"):
+        len(D.PackedDataset(out, "val", 4096))

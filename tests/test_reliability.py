@@ -365,6 +365,20 @@ def test_a_checkpoint_with_the_vocabulary_only_fingerprint_resumes(tiny_corpus, 
     assert summary["train_loss"] == summary["train_loss"]
 
 
+def test_resume_refuses_another_seq_len_and_notes_another_global_batch(tiny_corpus, tmp_path, capsys):
+    from pithtrain.train.data import CorpusError
+    from pithtrain.train.loop import train
+
+    toml = write_run(tmp_path, tiny_corpus, "device = \"cpu\"\n")
+    train(load_config(toml, ["train.steps=2", "optim.warmup_steps=1"]))
+    with pytest.raises(CorpusError, match="data.seq_len=32"):
+        train(load_config(toml, ["train.steps=3", "optim.warmup_steps=1", "checkpoint.resume=auto", "data.seq_len=33"]))
+    capsys.readouterr()
+    train(load_config(toml, ["train.steps=3", "optim.warmup_steps=1", "checkpoint.resume=auto",
+                             "data.global_batch_size=8"]))
+    assert "data.global_batch_size changed from 4 to 8" in capsys.readouterr().out
+
+
 def test_deterministic_switch(tiny_corpus, tmp_path):
     """train.deterministic turns on torch's deterministic algorithms; on CPU two runs are equal."""
     from conftest import losses

@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # torch is imported lazily so that spawned tokenizer workers 
     from tokenizers import Tokenizer
 
 logger = logging.getLogger("pithtrain.data")
+DEMO = "demo:python-stdlib"  # the demo corpus as an input (plain "demo" too, unless a path of that name exists)
 
 FORMAT = 1
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>")
@@ -365,7 +366,8 @@ def build_corpus(inputs: list[str], out_dir: str, tokenizer: str | None, *, text
                  overwrite: bool = False) -> dict:
     """Tokenize ``inputs`` into the packed corpus directory ``out_dir``; returns its meta dict.
 
-    ``inputs`` are files, directories or glob patterns, or ``["demo"]`` for the standard-library demo text.
+    ``inputs`` are files, directories or glob patterns, or ``["demo"]`` (``[DEMO]``, which no path shadows)
+    for the standard-library demo text.
     ``tokenizer`` None trains a byte-level BPE tokenizer of ``demo_vocab_size`` tokens on the inputs.
     Everything is written to a temporary directory whose files become ``out_dir``'s only when complete (a new
     ``out_dir`` is renamed into place; into an existing one the files are moved, ``meta.json`` last), so an error
@@ -387,8 +389,11 @@ def build_corpus(inputs: list[str], out_dir: str, tokenizer: str | None, *, text
         if extra := sorted(set(existing) - set(CORPUS_FILES)):
             raise CorpusError(f"output {out_dir} holds a corpus and other files {extra[:10]}, which overwriting "
                               "would delete; move them elsewhere, or pass a new output directory")
-    if inputs == ["demo"]:
-        sources = [("demo:python-stdlib", lambda: iter(demo_texts()))]
+    if inputs in (["demo"], [DEMO]):
+        if inputs == ["demo"] and os.path.exists("demo"):
+            raise CorpusError("'demo' names both the demo corpus and the path ./demo here; pass ./demo for that "
+                              "path, or run from another directory for the demo corpus")
+        sources = [(DEMO, lambda: iter(demo_texts()))]
     elif inputs:
         files = _expand_inputs(inputs)
         inside = [f for f in files if os.path.realpath(f).startswith(os.path.join(os.path.realpath(out_dir), ""))]
@@ -557,7 +562,11 @@ def _build(sources, tmp, tokenizer, val_fraction, workers, eos_token, skip_bad_f
                               "(one for train, one for validation): pass files with text in them")
         for a, b in (("train", "val"), ("val", "train")):  # neither split may be empty
             if writers[b].n_docs == 0:
-                writers[b].add(writers[a].truncate(writers[a].n_docs - 1, read=True))
+                doc = writers[a].truncate(writers[a].n_docs - 1, read=True)
+                writers[b].add(doc)
+                logger.warning("the %s split was empty: moved the last %s document into it (%d tokens, %.0f%% of "
+                               "the corpus); pass a --val-fraction that holds out more documents for a better split",
+                               b, a, len(doc), 100 * len(doc) / max(writers[a].n_tokens + len(doc), 1))
     finally:
         for w in writers.values():
             w.close()
@@ -623,7 +632,8 @@ class PackedDataset:
         n = max(self.n_tokens - 1, 0) // self.seq_len
         if n == 0:
             raise CorpusError(f"corpus split {self.split} has {self.n_tokens} tokens, fewer than "
-                              f"seq_len+1={self.seq_len + 1}; lower data.seq_len or add data")
+                              f"seq_len+1={self.seq_len + 1}; lower data.seq_len or add data"
+                              + (", or rebuild the corpus with a larger --val-fraction" if self.split == "val" else ""))
         return n
 
     def _start(self, i: int) -> int:
@@ -654,11 +664,13 @@ class GlobalBatchSampler:
     """Seeded global shuffle over dataset windows, epoch after epoch; yields the window indices of one global
     batch at a time. Its position is a small dict saved in checkpoints and restored exactly."""
 
-    def __init__(self, n_samples: int, global_batch: int, seed: int):
+    def __init__(self, n_samples: int, global_batch: int, seed: int, seq_len: int | None = None,
+                 tokens: int | None = None):
         if not 1 <= global_batch <= n_samples:
             raise CorpusError(f"global batch {global_batch} must be between 1 and the dataset's {n_samples} windows; "
                               "lower the batch size or data.seq_len, or add data")
         self.n_samples, self.global_batch, self.seed = n_samples, global_batch, seed
+        self.seq_len, self.tokens = seq_len, tokens  # the windows' length and the split's size, checked on resume
         self._epoch, self._offset, self._perm = 0, 0, None
 
     @property
@@ -676,10 +688,20 @@ class GlobalBatchSampler:
 
     def state_dict(self) -> dict:
         return {"epoch": self._epoch, "offset": self._offset, "seed": self.seed,
-                "n_samples": self.n_samples, "global_batch": self.global_batch}
+                "n_samples": self.n_samples, "global_batch": self.global_batch,
+                "seq_len": self.seq_len, "tokens": self.tokens}
 
     def load_state_dict(self, sd: dict) -> None:
-        """Restore a position; the corpus (n_samples) and seed must match, the global batch may differ."""
+        """Restore a position; the corpus (its tokens and n_samples), seq_len and seed must match (a
+        state without seq_len / tokens checks n_samples alone), the global batch may differ."""
+        if None not in (sd.get("seq_len"), self.seq_len) and sd["seq_len"] != self.seq_len:
+            raise CorpusError(f"the checkpoint was trained with data.seq_len = {sd['seq_len']}, the config says "
+                              f"{self.seq_len}: resume with data.seq_len={sd['seq_len']}, or start from its weights "
+                              "with checkpoint.init_from")
+        if None not in (sd.get("tokens"), self.tokens) and sd["tokens"] != self.tokens:
+            raise CorpusError(f"the checkpoint's training split had {sd['tokens']} tokens, data.corpus's has "
+                              f"{self.tokens}: the corpus changed since the checkpoint; resume with the corpus it was "
+                              "trained on, or start from its weights with checkpoint.init_from")
         if sd["n_samples"] != self.n_samples:
             raise CorpusError(f"the checkpoint's sampler saw {sd['n_samples']} windows, the dataset now has "
                               f"{self.n_samples}: the corpus or data.seq_len changed since the checkpoint")
@@ -714,8 +736,9 @@ def document_ids(dataset: PackedDataset, indices: list[int]) -> torch.Tensor:
 
 def validation_batches(dataset: PackedDataset, batch_size: int, global_batch: int, n_global: int) -> list[list[int]]:
     """Fixed, unshuffled validation batches of `batch_size` (a micro-batch on every data rank): the first
-    `n_global` global batches of windows, whole ones only (the whole split if it holds less than one), so the
-    windows are the same for any micro-batch size and rank count and val_loss compares across layouts."""
+    `n_global` global batches of windows, whole ones only, so the windows are the same for any micro-batch size
+    and rank count and val_loss compares across layouts. A split of less than one global batch gives as many
+    whole batches as it holds, which does depend on the layout (the training loop says so)."""
     n = len(dataset)
     if n < batch_size:
         raise CorpusError(f"the {dataset.split} split has {n} windows of seq_len {dataset.seq_len}, fewer than one "

@@ -264,7 +264,13 @@ def train(cfg: RunConfig) -> dict:
     corpus_tokenizer = tokenizer_fingerprint(train_ds.tokenizer_path) if has_tok else None
     D = layout.data_ranks
     val_idx = validation_batches(val_ds, d.micro_batch_size * D, d.global_batch_size, d.val_batches)
-    sampler = GlobalBatchSampler(len(train_ds), d.global_batch_size, cfg.train.seed)
+    notes = []
+    if len(val_ds) < d.global_batch_size:
+        notes.append(f"the validation split holds {len(val_ds)} windows, fewer than one global batch "
+                     f"({d.global_batch_size}): val_loss covers the first {sum(map(len, val_idx))}, a number that "
+                     "depends on the micro-batch size and rank count; rebuild the corpus with a larger --val-fraction "
+                     "to compare val_loss across layouts")
+    sampler = GlobalBatchSampler(len(train_ds), d.global_batch_size, cfg.train.seed, d.seq_len, train_ds.n_tokens)
     launched = "TORCHELASTIC_RUN_ID" in os.environ or layout.world > 1  # under torchrun: the sharded path
     mesh = init_distributed(layout, device.type, cfg.parallel.timeout_s) if launched else None
     device = mesh.device if mesh is not None else device
@@ -303,6 +309,10 @@ def train(cfg: RunConfig) -> dict:
                               "with the corpus it was trained on, or start from its weights with checkpoint.init_from")
         start = state["step"]
         sampler.load_state_dict(state["data"])
+        if state["data"]["global_batch"] != d.global_batch_size:
+            notes.append(f"data.global_batch_size changed from {state['data']['global_batch']} to "
+                           f"{d.global_batch_size}: training goes on from the same data position; the validation "
+                           "set (the first data.val_batches global batches) changes with it")
         set_hyperparameters(optimizer, cfg.optim)
         if cfg.train.stop_at and start >= cfg.train.stop_at:
             raise ConfigError(f"train.stop_at = {cfg.train.stop_at} but {path} is already at step {start}: "
@@ -317,6 +327,8 @@ def train(cfg: RunConfig) -> dict:
         log.say(f"parallel layout: {layout.describe()}, {layout.world} process(es) on {device.type}")
     for reason in refused:
         log.say(f"passed over: {reason}")
+    for note in notes:
+        log.say(note)
     if path is not None:
         log.say(f"resumed from {path} at step {start}")
     elif cfg.checkpoint.init_from:
