@@ -118,8 +118,9 @@ def cmd_memory(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     layout = plan_layout(cfg, args.world)
-    est = estimate_for_run(cfg, layout.world, layout.cp, autocast=cfg.train.dtype != "fp32",
-                           data_ranks=layout.data_ranks)
+    t = cfg.train  # the run's compute as `train` resolves it, train.device=auto taken as a GPU
+    autocast = t.dtype == "bf16" or (t.dtype == "auto" and t.device != "cpu")
+    est = estimate_for_run(cfg, layout.world, layout.cp, autocast=autocast, data_ranks=layout.data_ranks)
     print("\n".join(est.lines()))
     if args.device_gb:
         check_fits(est, int(args.device_gb * GB), layout.world)

@@ -165,14 +165,23 @@ def _check_type(key: str, value: Any, annotation: Any) -> Any:
     return value
 
 
+def _annotation(section: str, key: str) -> Any:
+    """The declared type of `section.key` (None for an unknown key)."""
+    return typing.get_type_hints(type(getattr(RunConfig(), section))).get(key)
+
+
 def _hf_override(key: str, base: dict, value: Any) -> Any:
     if key not in base:
-        raise ConfigError(
-            f"model.{key} is not a field of the model's config.json; valid fields: {sorted(base)}"
-        )
+        hint = ""
+        if "." in key and isinstance(base.get(key.split(".")[0]), dict):
+            first = key.split(".")[0]
+            hint = f"; for a field inside {first}, give the table: model.{first}={{{key.split('.', 1)[1]} = ...}}"
+        raise ConfigError(f"model.{key} is not a field of the model's config.json{hint}; valid fields: {sorted(base)}")
     old = base[key]
     if old is None or value is None:
         return value
+    if isinstance(old, dict) and isinstance(value, dict):  # a table of a nested field: its keys over the file's
+        return {**old, **value}
     if isinstance(old, float) and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if type(old) is not type(value):
@@ -219,7 +228,9 @@ def load_config(path: str | None, overrides: list[str] = (), base: dict | None =
         if section not in SECTIONS:
             raise ConfigError(f"unknown section in override {item!r}; valid sections: {SECTIONS}")
         value = parse_value(text)
-        if (section, key) in _PATH_KEYS and isinstance(value, str) and value not in _NOT_PATHS:
+        if not isinstance(value, str) and section != "model" and _annotation(section, key) is str:
+            value = text  # a name stays as written: log.run_dir=42, log.wandb_project=2025
+        if (section, key) in _PATH_KEYS and isinstance(value, str) and value not in ("", *_NOT_PATHS):
             value = os.path.abspath(os.path.expanduser(value))
         raw.setdefault(section, {})[key] = value
     return build_config(raw)
@@ -296,8 +307,9 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"train.stop_at = {t.stop_at} must lie between 0 and train.steps = {t.steps}")
     if o.warmup_steps > t.steps:
         raise ConfigError(f"optim.warmup_steps = {o.warmup_steps} exceeds train.steps = {t.steps}")
-    if not 0 < o.lr or not 0 <= o.min_lr <= o.lr:
-        raise ConfigError(f"need 0 <= optim.min_lr <= optim.lr and lr > 0 (got lr={o.lr}, min_lr={o.min_lr})")
+    if not 0 < o.lr or not 0 <= o.min_lr or (o.decay != "constant" and o.min_lr > o.lr):
+        raise ConfigError(f"need 0 <= optim.min_lr <= optim.lr and lr > 0 (got lr={o.lr}, min_lr={o.min_lr}; "
+                          "min_lr is the end of a cosine or linear decay)")
     if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1) or o.eps <= 0:
         raise ConfigError("optim.beta1 and optim.beta2 must lie in [0, 1) and optim.eps must be > 0")
     res = cfg.checkpoint.resume

@@ -51,6 +51,11 @@ def test_float_field_accepts_int(toml):
     ("", ["checkpoint.resume=/no/such/dir"], "checkpoint.resume"),
     ("", ["optim.lr"], "must look like section.key=value"),
     ("", ["train.seed=-1"], "train.seed = -1 must not be negative"),
+    ("", ["model.num_hidden_layers=0"], "model.num_hidden_layers = 0 must be a positive integer"),
+    ("", ["model.num_experts_per_tok=0"], "model.num_experts_per_tok = 0 must be a positive integer"),
+    ("", ["model.hidden_size=0"], "model.hidden_size = 0 must be a positive integer"),
+    ("", ["model.rope_theta.x=1"], "model.rope_theta.x is not a field"),
+    ("", ["optim.lr=1e-5"], "need 0 <= optim.min_lr <= optim.lr"),  # cosine decays to min_lr 3e-5
 ])
 def test_errors_name_the_key(toml, body, overrides, message):
     with pytest.raises(ConfigError) as e:
@@ -89,6 +94,24 @@ def test_paths_and_names(toml, tmp_path, monkeypatch):
     assert cfg.checkpoint.resume == str(tmp_path / "ck" / "step-00000004")
     assert load_config(toml('[checkpoint]\nresume = "auto"\n'), ["checkpoint.resume=none"]).checkpoint.resume == "none"
     assert load_config(toml(), ["log.run_dir=2024-06-01"]).log.run_dir == "/2024-06-01"
+
+
+def test_names_empty_paths_constant_lr_and_nested_model_tables(tmp_path, monkeypatch):
+    """A name that TOML would read as a number stays the name; an empty path override leaves the
+    setting empty (its default), not the current directory; a constant LR needs no min_lr below it;
+    a nested model table updates the file's table rather than replacing it."""
+    cfg_json = {**HF, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg_json))
+    run = tmp_path / "run.toml"
+    run.write_text('[model]\nconfig = "config.json"\n[model.rope_scaling]\nfactor = 8.0\n')
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(str(run), ["log.run_dir=42", "log.wandb_project=2025", "checkpoint.dir="])
+    assert cfg.log.run_dir == str(tmp_path / "42") and cfg.log.wandb_project == "2025"
+    assert cfg.checkpoint.dir == "" and cfg.checkpoint_dir == os.path.join(cfg.log.run_dir, "checkpoints")
+    assert cfg.model.hf["rope_scaling"] == {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 128}
+    with pytest.raises(ConfigError, match="give the table: model.rope_scaling="):
+        load_config(str(run), ["model.rope_scaling.factor=2.0"])
+    assert load_config(str(run), ["optim.lr=1e-5", "optim.decay=constant"]).optim.lr == 1e-5
 
 
 def test_overrides_may_follow_options(toml, capsys):

@@ -121,3 +121,19 @@ def test_fsdp_gathers_the_local_experts_and_the_head():
     fp32 = estimate(model, tokens=64, param_dtype="fp32", autocast=False, world=4, ep=2)
     assert fp32.compute_copies == 4 * (2 * (dense + experts / 2) + head)
     assert fp32.weights == estimate(model, tokens=64, param_dtype="fp32", autocast=False, world=4).weights
+
+
+def test_memory_command_follows_the_run_s_compute(capsys):
+    """`pithtrain memory` assumes bf16 autocast only where `train` would use it: not with
+    train.device=cpu (plain fp32 there), so CPU activations count 4 bytes."""
+    import os
+
+    from pithtrain.cli import main
+
+    toml = os.path.join(os.path.dirname(__file__), "..", "examples", "demo", "demo.toml")
+    figures = []
+    for device in ("auto", "cpu"):
+        assert main(["memory", toml, f"train.device={device}", "data.seq_len=1024"]) == 0
+        line = capsys.readouterr().out
+        figures.append(float(line.split("activations ")[1].split(" GB")[0]))
+    assert figures[1] == pytest.approx(2 * figures[0], rel=0.05)

@@ -379,6 +379,25 @@ def test_resume_refuses_another_seq_len_and_notes_another_global_batch(tiny_corp
     assert "data.global_batch_size changed from 4 to 8" in capsys.readouterr().out
 
 
+def test_resume_keeps_the_spike_window_and_refuses_a_finished_run(tiny_corpus, tmp_path, monkeypatch):
+    """The guard's recent losses and skip counts are in the checkpoint: a run paused at step 3 and
+    resumed skips the spike of step 5 as the run that never stopped does, with the same losses
+    after it. Resuming a run already at train.steps is an error, not a silent no-op."""
+    from conftest import losses
+    from pithtrain.train.loop import train
+
+    toml = write_run(tmp_path, tiny_corpus, "device = \"cpu\"\n")
+    monkeypatch.setenv("PITHTRAIN_FAULT", "spike-loss:5")
+    common = ["train.steps=6", "optim.warmup_steps=1", "train.spike_factor=5", "train.spike_window=2", "log.every=1"]
+    whole = train(load_config(toml, common + [f"log.run_dir={tmp_path}/whole"]))
+    train(load_config(toml, common + [f"log.run_dir={tmp_path}/parts", "train.stop_at=3"]))
+    parts = train(load_config(toml, common + [f"log.run_dir={tmp_path}/parts", "checkpoint.resume=auto"]))
+    assert whole["skipped_steps"] == parts["skipped_steps"] == 1
+    assert losses(f"{tmp_path}/parts")[6] == losses(f"{tmp_path}/whole")[6]
+    with pytest.raises(ConfigError, match="the run is done"):
+        train(load_config(toml, common + [f"log.run_dir={tmp_path}/parts", "checkpoint.resume=auto"]))
+
+
 def test_deterministic_switch(tiny_corpus, tmp_path):
     """train.deterministic turns on torch's deterministic algorithms; on CPU two runs are equal."""
     from conftest import losses

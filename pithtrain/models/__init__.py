@@ -4,10 +4,17 @@ from pithtrain.layers.moe import BalanceOptions
 from pithtrain.layers.transformer import CausalLM
 
 SUPPORTED = ["qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss"]
+SIZES = ["vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+         "num_attention_heads", "num_key_value_heads", "head_dim", "num_experts", "n_routed_experts",
+         "num_local_experts", "num_experts_per_tok"]  # where present (and not null), counts of at least 1
 
 
 def build_model(hf: dict, balance: BalanceOptions | None = None, layer_ids: list[int] | None = None) -> CausalLM:
     balance = balance or BalanceOptions()
+    for key in SIZES:
+        value = hf.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"model.{key} = {value!r} must be a positive integer")
     if hf.get("attention_dropout"):  # every family here trains without attention dropout
         raise ValueError(f"model.attention_dropout = {hf['attention_dropout']}: attention dropout is not "
                          "supported; set it to 0.0")

@@ -93,6 +93,14 @@ class StepGuard:
         self.recent = (self.recent + [loss])[-self.spike_window:]
         return None, [], stop_all
 
+    def state_dict(self) -> dict:
+        """What a resumed run needs to decide as this one would (saved in checkpoints)."""
+        return {"recent": list(self.recent), "in_a_row": self.skipped_in_a_row, "total": self.skipped_total}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.recent = [float(x) for x in sd["recent"]][-self.spike_window:] if self.spike_window else []
+        self.skipped_in_a_row, self.skipped_total = int(sd["in_a_row"]), int(sd["total"])
+
     def count(self, reason: str | None, step: int) -> None:
         """Book a step's outcome; raise TrainingHalted after too many skips in a row."""
         if reason is None:

@@ -314,6 +314,9 @@ def train(cfg: RunConfig) -> dict:
                            f"{d.global_batch_size}: training goes on from the same data position; the validation "
                            "set (the first data.val_batches global batches) changes with it")
         set_hyperparameters(optimizer, cfg.optim)
+        if start >= cfg.train.steps:
+            raise ConfigError(f"{path} is at step {start}, train.steps = {cfg.train.steps}: the run is done; raise "
+                              "train.steps to train further (the schedule is recomputed for the new length)")
         if cfg.train.stop_at and start >= cfg.train.stop_at:
             raise ConfigError(f"train.stop_at = {cfg.train.stop_at} but {path} is already at step {start}: "
                               "raise train.stop_at, or set it to 0 to run to train.steps")
@@ -335,6 +338,8 @@ def train(cfg: RunConfig) -> dict:
         log.say(f"initialised from the weights of {cfg.checkpoint.init_from}")
     t = cfg.train
     guard = StepGuard(t.nonfinite, t.max_skips, t.spike_factor, t.spike_window)
+    if path is not None and "guard" in state:  # the spike window and skip counts go on as if never stopped
+        guard.load_state_dict(state["guard"])
     preemption = Preemption().install()
     preempted = None
     last, tokens_since, t_since = {}, 0, time.perf_counter()
@@ -394,7 +399,8 @@ def train(cfg: RunConfig) -> dict:
         if (every and done % every == 0) or (is_last and cfg.checkpoint.save_final) or paused or stop:
             t_save = time.perf_counter()
             checkpoint.save(ckpt_dir, done, model, optimizer,
-                            {"data": sampler.state_dict(), "lr": lr, "tokenizer": corpus_tokenizer},
+                            {"data": sampler.state_dict(), "lr": lr, "tokenizer": corpus_tokenizer,
+                             "guard": guard.state_dict()},
                             cfg.checkpoint.keep, hf_config=cfg.model.hf)
             t_since += time.perf_counter() - t_save  # nor is saving
         if stop:
