@@ -162,6 +162,8 @@ def _check_type(key: str, value: Any, annotation: Any) -> Any:
         raise ConfigError(f"{key} = {value!r} must be true or false")
     if annotation in (int, float, str) and (not isinstance(value, annotation) or isinstance(value, bool)):
         raise ConfigError(f"{key} = {value!r} must be of type {annotation.__name__}")
+    if annotation is float and value != value:
+        raise ConfigError(f"{key} = nan: give a number")
     return value
 
 

@@ -56,6 +56,7 @@ def test_float_field_accepts_int(toml):
     ("", ["model.hidden_size=0"], "model.hidden_size = 0 must be a positive integer"),
     ("", ["model.rope_theta.x=1"], "model.rope_theta.x is not a field"),
     ("", ["optim.lr=1e-5"], "need 0 <= optim.min_lr <= optim.lr"),  # cosine decays to min_lr 3e-5
+    ("", ["optim.grad_clip=nan"], "optim.grad_clip = nan: give a number"),
 ])
 def test_errors_name_the_key(toml, body, overrides, message):
     with pytest.raises(ConfigError) as e:
