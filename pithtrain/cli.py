@@ -115,11 +115,12 @@ def cmd_demo(args) -> int:
 def cmd_memory(args) -> int:
     from pithtrain.parallel.mesh import plan_layout
     from pithtrain.tools.memory import GB, check_fits, estimate_for_run
+    from pithtrain.train.loop import autocast_dtype
 
     cfg = load_config(args.config, args.overrides)
     layout = plan_layout(cfg, args.world)
-    t = cfg.train  # the run's compute as `train` resolves it, train.device=auto taken as a GPU
-    autocast = t.dtype == "bf16" or (t.dtype == "auto" and t.device != "cpu")
+    device_type = "cpu" if cfg.train.device == "cpu" else "cuda"  # train.device=auto: planned for a GPU
+    autocast = autocast_dtype(cfg, device_type) is not None
     est = estimate_for_run(cfg, layout.world, layout.cp, autocast=autocast, data_ranks=layout.data_ranks)
     print("\n".join(est.lines()))
     if args.device_gb:

@@ -118,15 +118,20 @@ def test_layout_matches_single_process(tmp_path, tiny_corpus, reference, family,
     assert len(moved) > len(a) // 2, moved  # the runs trained: the comparison above is not of initial weights
 
 
+def run_worker(n: int, script: str, out) -> None:
+    """torchrun `n` gloo processes of tests/`script` with `out` as its argument; it must exit 0."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+                           os.path.join(ROOT, "tests", script), str(out)], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
 def test_deduplicated_dispatch_rows_and_numerics(tmp_path):
     """Two ranks, a routing where tokens pick 1 or 2 distinct ranks for their 3 experts: 8 rows sent
     instead of 15, and output plus gradients equal the single-rank MoE (checked in the worker)."""
     out = tmp_path / "counts.json"
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           os.path.join(ROOT, "tests", "ep_worker.py"), str(out)], capture_output=True, text=True,
-                          env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_worker(2, "ep_worker.py", out)
     counts = json.loads(out.read_text())
     assert counts["send_splits"] == [4, 4] and counts["recv_splits"] == [4, 4]
     assert counts["counted"] == [15, 8]
@@ -212,11 +217,7 @@ def test_every_process_group_times_out_after_parallel_timeout_s(tmp_path):
     """Not only the world group: the ep, dp, HSDP and expert-sharding groups that the meshes make
     also give up after parallel.timeout_s (2 s here), not torch's default (30 min on gloo)."""
     out = tmp_path / "waited.json"
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-                           os.path.join(ROOT, "tests", "mesh_worker.py"), str(out)], capture_output=True, text=True,
-                          env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_worker(4, "mesh_worker.py", out)
     waited = [(rank, name, s) for rank in (0, 1, 2) for name, s in json.loads(open(f"{out}.{rank}").read()).items()]
     assert {"world ep", "dense replicate", "dense shard", "data"} <= {name for _, name, _ in waited}, waited
     assert all(1.5 < s < 15 for _, _, s in waited), waited

@@ -38,16 +38,19 @@ from pithtrain.train.log import QuietLog, RunLog, peak_memory_gb, plot_losses
 from pithtrain.train.optim import build_optimizer, clip_grad_norm, lr_at, set_hyperparameters, set_lr
 
 
+def autocast_dtype(cfg: RunConfig, device_type: str) -> torch.dtype | None:
+    """train.dtype on this kind of device: bf16 autocast, or None for plain fp32 (`auto`: bf16 on CUDA)."""
+    dtype = cfg.train.dtype
+    return torch.bfloat16 if dtype == "bf16" or (dtype == "auto" and device_type == "cuda") else None
+
+
 def resolve_device(cfg: RunConfig) -> tuple[torch.device, torch.dtype | None]:
     """The device and the autocast dtype (None: plain fp32)."""
     want = cfg.train.device
     if want == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device = 'cuda' but no CUDA device is visible; use train.device=cpu")
     device = torch.device("cuda" if want == "cuda" or (want == "auto" and torch.cuda.is_available()) else "cpu")
-    dtype = cfg.train.dtype
-    if dtype == "auto":
-        dtype = "bf16" if device.type == "cuda" else "fp32"
-    return device, (torch.bfloat16 if dtype == "bf16" else None)
+    return device, autocast_dtype(cfg, device.type)
 
 
 def set_deterministic() -> None:
@@ -170,7 +173,7 @@ def train_step(model: CausalLM, optimizer, micro_batches: list, grad_clip: float
         n_tokens = int(_sum(torch.tensor([n_tokens], device=device), mesh).item())
     inject_failure(step)
     loss_sum = torch.zeros((), device=device)
-    finite = []  # per micro-batch: its loss is finite (device flags, read only if the step halts)
+    losses = []  # each micro-batch's loss (detached; looked at only if the step halts)
     for mb, count in zip(micro_batches, counts):
         ids, labels, pos, docs = _device_batch(mb, device)
         share = count / n_tokens
@@ -182,7 +185,7 @@ def train_step(model: CausalLM, optimizer, micro_batches: list, grad_clip: float
             loss = loss * 100.0
         (loss / n_tokens).backward()
         loss_sum += loss.detach()
-        finite.append(torch.isfinite(loss.detach()))
+        losses.append(loss.detach())
     params = [p for p in model.parameters() if p.grad is not None]
     replicas = mesh.layout.dp_replicate if mesh is not None else 1
     grad_norm = clip_grad_norm(params, grad_clip, mesh.data_group if mesh is not None else None, replicas)
@@ -193,7 +196,8 @@ def train_step(model: CausalLM, optimizer, micro_batches: list, grad_clip: float
         optimizer.zero_grad(set_to_none=True)
         # run again the first micro-batch whose loss went non-finite on this rank (the first one if none
         # did: the gradient went non-finite, or another rank's loss did); every rank runs one forward
-        first_bad = next((i for i, ok in enumerate(torch.stack(finite).tolist()) if not ok), 0) if finite else 0
+        finite = torch.isfinite(torch.stack(losses)).tolist() if losses else []
+        first_bad = next((i for i, ok in enumerate(finite) if not ok), 0)
         ids, labels, pos, docs = _device_batch(micro_batches[first_bad], device)
 
         def forward():
