@@ -18,7 +18,7 @@ from conftest import ROOT, TINY_MODEL, run_cli, write_run
 from pithtrain.config import ConfigError, load_config
 from pithtrain.layers.transformer import init_weights
 from pithtrain.models import build_model
-from pithtrain.train.guard import StepGuard, TrainingHalted, first_nonfinite_module
+from pithtrain.train.guard import StepGuard, TrainingHalted, collective_failure, first_nonfinite_module
 from pithtrain.train.loop import train_step
 
 
@@ -234,14 +234,18 @@ def test_a_failing_rank_ends_the_whole_job(tiny_corpus, tmp_path, fault):
     assert proc.returncode != 0
     assert took < 60, took
     text = out + err
+    assert "Failed to parse reply file" not in text, text[-3000:]  # no error file cut short by torchrun's stop
     if fault == "raise":  # the failing rank is listed with its exception and traceback
         assert re.search(r"rank      : 2 \(local_rank: 2\)\s+exitcode  : 1 ", text), text[-3000:]
         assert "injected fault: rank raised at step 3" in text and "Traceback" in text
+    if fault in ("raise", "kill"):  # a survivor whose collective lost rank 2 names it (with any rank still blocked)
+        named = [m.split(", ") for m in re.findall(r"a collective lost its connection .*?rank\(s\) ([\d, ]+) did not", text)]
+        assert any("2" in ranks for ranks in named), text[-3000:]
     if fault == "kill":  # listed with its signal (root cause or not: a survivor's broken collective can be seen first)
         assert re.search(r"rank      : 2 \(local_rank: 2\)\s+exitcode  : -9 .*SIGKILL", text), text[-3000:]
     if fault == "sleep":  # the others time out and say so; the hung rank is the one torchrun must SIGKILL
         assert "waited longer than parallel.timeout_s = 10 s" in text, text[-3000:]
-        assert "rank(s) 2 did not reach it" in text, text[-3000:]  # named by the ranks that timed out
+        assert "rank(s) 2 did not reach it" in text, text[-3000:]  # named by the ranks whose collective failed
         killed = [block for block in text.split("[") if "SIGKILL" in block and "rank      :" in block]
         assert killed and all("rank      : 2" in block for block in killed), text[-3000:]
     print(f"{fault}: all ranks gone {took:.1f} s after step 2's record")
@@ -452,3 +456,16 @@ def test_a_run_that_cannot_fit_is_refused_before_allocation():
     with pytest.raises(ConfigError, match=r"on 8 rank.*To fit: train.recompute=both"):
         check_fits(big, h200, 8)
     check_fits(one, None)  # no device to compare with (CPU): nothing to say
+
+
+def test_collective_failures_are_told_from_other_errors():
+    """A collective's own timeout and a peer that went away (gloo's and NCCL's wording) are
+    collective failures, which the loop reports with the ranks that never reached them; anything
+    else, a halt of ours included, is not."""
+    assert collective_failure(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Timed out waiting 10000ms")) == "timeout"
+    assert collective_failure(RuntimeError("[../gloo/transport/tcp/pair.cc:598] Connection closed by peer [127.0.0.1]:1")) == "peer"
+    assert collective_failure(RuntimeError("NCCL error: remote process exited or there was a network error")) == "peer"
+    assert collective_failure(RuntimeError("Connection reset by peer")) == "peer"
+    assert collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
+    assert collective_failure(TrainingHalted("a collective timed out earlier")) is None
+    assert collective_failure(ValueError("timed out")) is None

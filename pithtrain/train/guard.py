@@ -11,8 +11,10 @@
 - SIGTERM (a preempting scheduler): the handler only sets a flag; every rank learns of it in the
   step's guard all-reduce, and after that step a checkpoint is written and the run ends with exit code 0, so
   `checkpoint.resume=auto` continues it.
-- A collective that waits longer than `parallel.timeout_s` (a rank hung or died) fails with a
-  message that says so; torchrun then ends the other ranks.
+- A collective that waits longer than `parallel.timeout_s` (a rank hung or died), or loses its
+  connection to a rank that went away, fails with a message that says so and names the ranks that
+  never reached it; torchrun then ends the other ranks. Until that message is made, SIGTERM only
+  sets the preemption flag, so torchrun's stop does not cut a rank's report short.
 - `PITHTRAIN_FAULT=<name>:<step>[:<rank>]` injects a fault for tests: `nan-loss` (the loss of
   that step becomes NaN), `spike-loss` (multiplied by 100), `raise` (an exception at the start of
   the step), `kill` (SIGKILL), `sleep` (the rank stops participating for an hour), and the
@@ -167,15 +169,31 @@ def out_of_memory_report(model: torch.nn.Module, optimizer, device: torch.device
     return "\n".join(lines)
 
 
+# How a failed collective's error reads, by backend: its own timeout, or a peer that went away
+# (gloo: "Connection closed by peer", "Connection reset by peer"; NCCL: "remote process exited").
+_PEER_GONE = ("closed by peer", "reset by peer", "broken pipe", "remote process exited")
+
+
+def collective_failure(e: BaseException) -> str | None:
+    """"timeout" or "peer" when `e` is a collective that failed waiting for another rank, else None."""
+    if not isinstance(e, RuntimeError) or isinstance(e, TrainingHalted):
+        return None
+    text = str(e).lower()
+    if "timed out" in text or "timing out" in text:
+        return "timeout"
+    return "peer" if any(s in text for s in _PEER_GONE) else None
+
+
 def silent_ranks(rank: int, world: int, wait_s: float = 5.0) -> list[int] | None:
-    """After a collective timed out on this rank: the ranks that did not also time out within
-    `wait_s`, i.e. the ones that never reached the collective (hung or dead). Each rank that times
-    out says so in the job's key-value store (torchrun's rendezvous store, reachable by every
-    node); None when there is no store to ask."""
+    """After a collective failed on this rank: the ranks that did not also report a failed
+    collective within `wait_s`, i.e. the ones that never reached it (hung or dead). A rank whose
+    peer timed out first may see the connection close rather than its own timeout, so both count.
+    Each such rank says so in the job's key-value store (torchrun's rendezvous store, reachable by
+    every node); None when there is no store to ask."""
     try:
         store = dist.distributed_c10d._get_default_store()
-        store.set(f"pithtrain/timed-out/{rank}", "1")
-        keys = [f"pithtrain/timed-out/{r}" for r in range(world)]
+        store.set(f"pithtrain/collective-failed/{rank}", "1")
+        keys = [f"pithtrain/collective-failed/{r}" for r in range(world)]
         deadline = time.monotonic() + wait_s
         while True:
             missing = [r for r, key in enumerate(keys) if not store.check([key])]

@@ -30,8 +30,8 @@ from pithtrain.parallel.fsdp import build_parallel
 from pithtrain.parallel.mesh import Mesh, init_distributed, plan_layout, world_size
 from pithtrain.tools.memory import check_fits, estimate_for_run
 from pithtrain.train import checkpoint
-from pithtrain.train.guard import (Preemption, StepGuard, TrainingHalted, first_nonfinite_module, silent_ranks,
-                                   inject_failure, injected, out_of_memory_report)
+from pithtrain.train.guard import (Preemption, StepGuard, TrainingHalted, collective_failure, first_nonfinite_module,
+                                   silent_ranks, inject_failure, injected, out_of_memory_report)
 from pithtrain.train.data import (GlobalBatchSampler, PackedDataset, batch_tensors, document_ids, tokenizer_fingerprint,
                                   validation_batches, vocabulary_fingerprint)
 from pithtrain.train.log import QuietLog, RunLog, peak_memory_gb, plot_losses
@@ -363,18 +363,22 @@ def train(cfg: RunConfig) -> dict:
                         f"{guard.skipped_total + 1} in all")
             guard.count(last["skipped"], done)
         except BaseException as e:
-            preemption.uninstall()
             log.close()
-            if isinstance(e, torch.OutOfMemoryError):
-                raise TrainingHalted(out_of_memory_report(model, optimizer, device, e, memory)) from e
-            if mesh is not None and isinstance(e, RuntimeError) and "timed out" in str(e).lower():
+            try:  # SIGTERM (torchrun ending the job) only sets the flag until the report is made
+                if isinstance(e, torch.OutOfMemoryError):
+                    raise TrainingHalted(out_of_memory_report(model, optimizer, device, e, memory)) from e
+                kind = collective_failure(e) if mesh is not None else None
+                if kind is None:
+                    raise
                 silent = silent_ranks(mesh.rank, layout.world, min(3.0, cfg.parallel.timeout_s / 4))
-                who = (f"rank(s) {', '.join(map(str, silent))} did not reach it (every other rank timed out "
-                       "waiting for them): they hung or died" if silent else "another rank hung or died")
-                raise TrainingHalted(
-                    f"rank {mesh.rank}, step {done}: a collective waited longer than parallel.timeout_s = "
-                    f"{cfg.parallel.timeout_s:g} s; {who}; {str(e).splitlines()[0][:200]}") from e
-            raise
+                who = (f"rank(s) {', '.join(map(str, silent))} did not reach it (every other rank's collective "
+                       "failed waiting for them): they hung or died" if silent else "another rank hung or died")
+                what = (f"a collective waited longer than parallel.timeout_s = {cfg.parallel.timeout_s:g} s"
+                        if kind == "timeout" else "a collective lost its connection to a rank that went away")
+                raise TrainingHalted(f"rank {mesh.rank}, step {done}: {what}; {who}; "
+                                     f"{str(e).splitlines()[0][:200]}") from e
+            finally:
+                preemption.uninstall()
         tokens_since += last["tokens"]
         is_last = done == end
         validate = is_last or (d.val_every and done % d.val_every == 0)
