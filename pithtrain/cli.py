@@ -38,7 +38,7 @@ def print_summary(s: dict) -> None:
 
 
 def cmd_build_corpus(args) -> int:
-    from pithtrain.train.data import run_build_corpus
+    from pithtrain.train.corpus import run_build_corpus
 
     return run_build_corpus(args)
 
@@ -87,7 +87,7 @@ def cmd_convert(args) -> int:
 
 def cmd_demo(args) -> int:
     """Build the demo corpus (once) and train the tiny MoE on it."""
-    from pithtrain.train.data import DEMO, build_corpus
+    from pithtrain.train.corpus import DEMO, build_corpus
     from pithtrain.train.loop import train
 
     corpus = os.path.join(args.work_dir, "demo-corpus")
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="section.key=value overrides (model.FIELD=value for the HF config)")
     p.set_defaults(func=cmd_train)
 
-    from pithtrain.train.data import add_build_corpus_args
+    from pithtrain.train.corpus import add_build_corpus_args
 
     p = sub.add_parser("build-corpus", help="tokenize text files into a packed corpus")
     add_build_corpus_args(p)
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides += extra
     from pithtrain.train.checkpoint import CheckpointError
-    from pithtrain.train.data import CorpusError
+    from pithtrain.train.corpus import CorpusError
     from pithtrain.train.guard import TrainingHalted
 
     try:

@@ -44,7 +44,7 @@ GPT_OSS = dict(model_type="gpt_oss", vocab_size=97, hidden_size=32, intermediate
 @pytest.fixture(scope="session")
 def tiny_corpus(tmp_path_factory):
     """A corpus of ~300 KB of standard-library source with a 512-token BPE tokenizer."""
-    from pithtrain.train.data import build_corpus, demo_texts
+    from pithtrain.train.corpus import build_corpus, demo_texts
 
     texts, size = [], 0
     for t in demo_texts():

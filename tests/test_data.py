@@ -1,10 +1,11 @@
-"""Tests of pithtrain.train.data: corpus building, packed loading, batch sampling."""
+"""Tests of pithtrain.train.corpus and .data: corpus building, packed loading, batch sampling."""
 
 import argparse
 import glob
 import json
 import logging
 import os
+import signal
 import sys
 
 import numpy as np
@@ -15,6 +16,7 @@ import torch
 import zstandard
 from tokenizers import Tokenizer
 
+from pithtrain.train import corpus as C
 from pithtrain.train import data as D
 
 DOCS = [
@@ -30,7 +32,7 @@ DOCS = [
 @pytest.fixture(scope="module")
 def tok_path(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tok") / "tokenizer.json")
-    D.train_demo_tokenizer(DOCS * 3, 300, path)
+    C.train_demo_tokenizer(DOCS * 3, 300, path)
     return path
 
 
@@ -105,7 +107,7 @@ def test_round_trip(tmp_path, tok_path, fmt):
         "txt.zst": lambda: write_txt_zst_dir(tmp_path / "txtzst", DOCS),
     }[fmt]()
     out = str(tmp_path / "corpus")
-    meta = D.build_corpus([src], out, tok_path, val_fraction=0.2, workers=1)
+    meta = C.build_corpus([src], out, tok_path, val_fraction=0.2, workers=1)
     assert sorted(decoded_docs(out)) == sorted(DOCS)
     assert meta["splits"]["val"]["docs"] >= 1 and meta["splits"]["train"]["docs"] >= 1
     assert meta["dtype"] == "uint16" and meta["vocab_size"] == 300
@@ -116,7 +118,7 @@ def test_round_trip(tmp_path, tok_path, fmt):
 def test_demo_tokenizer_trained_when_none(tmp_path):
     src = write_jsonl(tmp_path / "d.jsonl", DOCS)
     out = str(tmp_path / "corpus")
-    meta = D.build_corpus([src], out, None, demo_vocab_size=300, workers=1)
+    meta = C.build_corpus([src], out, None, demo_vocab_size=300, workers=1)
     assert meta["vocab_size"] == 300 and os.path.isfile(os.path.join(out, "tokenizer.json"))
     assert sorted(decoded_docs(out)) == sorted(DOCS)
     # the split guarantees one validation document even with a tiny val_fraction
@@ -124,8 +126,8 @@ def test_demo_tokenizer_trained_when_none(tmp_path):
 
 
 def test_demo_input(tmp_path, tok_path, monkeypatch):
-    monkeypatch.setattr(D, "demo_texts", lambda: DOCS[:10])
-    meta = D.build_corpus(["demo"], str(tmp_path / "c"), tok_path, workers=1)
+    monkeypatch.setattr(C, "demo_texts", lambda: DOCS[:10])
+    meta = C.build_corpus(["demo"], str(tmp_path / "c"), tok_path, workers=1)
     assert meta["sources"][0]["docs"] == 10
 
 
@@ -135,7 +137,7 @@ def test_workers_identical(tmp_path, tok_path):
     outs = []
     for w in (1, 2):
         outs.append(str(tmp_path / f"c{w}"))
-        D.build_corpus(srcs, outs[-1], tok_path, val_fraction=0.1, workers=w)
+        C.build_corpus(srcs, outs[-1], tok_path, val_fraction=0.1, workers=w)
     for name in ("train.bin", "val.bin", "train.idx.npy", "val.idx.npy", "meta.json", "tokenizer.json"):
         a, b = (open(os.path.join(o, name), "rb").read() for o in outs)
         assert a == b, name
@@ -145,8 +147,8 @@ def test_empty_file_skipped(tmp_path, tok_path, caplog):
     good = write_jsonl(tmp_path / "good.jsonl", DOCS)
     (tmp_path / "empty.jsonl").write_bytes(b"")
     (tmp_path / "blank.jsonl").write_text("\n\n")
-    with caplog.at_level(logging.WARNING, logger="pithtrain.data"):
-        meta = D.build_corpus([good, str(tmp_path / "empty.jsonl"), str(tmp_path / "blank.jsonl")],
+    with caplog.at_level(logging.WARNING, logger="pithtrain.corpus"):
+        meta = C.build_corpus([good, str(tmp_path / "empty.jsonl"), str(tmp_path / "blank.jsonl")],
                               str(tmp_path / "c"), tok_path, workers=1)
     assert "empty.jsonl" in caplog.text and "blank.jsonl" in caplog.text
     assert [os.path.basename(s["path"]) for s in meta["skipped"]] == ["empty.jsonl", "blank.jsonl"]
@@ -182,8 +184,8 @@ def test_bad_file_raises(tmp_path, tok_path, name, tokenizer):
     make(tmp_path / name)
     good = write_jsonl(tmp_path / "good.jsonl", DOCS)
     out = tmp_path / "c"
-    with pytest.raises(D.CorpusError) as e:
-        D.build_corpus([good, str(tmp_path / name)], str(out), tok_path if tokenizer else None,
+    with pytest.raises(C.CorpusError) as e:
+        C.build_corpus([good, str(tmp_path / name)], str(out), tok_path if tokenizer else None,
                        workers=1, demo_vocab_size=300)
     for s in expected:
         assert s in str(e.value), (s, str(e.value))
@@ -198,7 +200,7 @@ def test_skip_bad_files(tmp_path, tok_path, name, tokenizer):
     good = write_jsonl(tmp_path / "good.jsonl", DOCS)
     small = write_txt_dir(tmp_path / "small", DOCS[:5])  # shares a task batch with the bad file's documents
     out = str(tmp_path / "c")
-    meta = D.build_corpus([small, str(tmp_path / name), good], out, tok_path if tokenizer else None,
+    meta = C.build_corpus([small, str(tmp_path / name), good], out, tok_path if tokenizer else None,
                           workers=1, skip_bad_files=True, demo_vocab_size=300)
     assert [os.path.basename(s["path"]) for s in meta["skipped"]] == [name]
     assert sorted(decoded_docs(out)) == sorted(DOCS[:5] + DOCS)  # no half of the bad file got in
@@ -213,55 +215,55 @@ def test_bad_file_mid_stream_rolled_back_with_workers(tmp_path, tok_path):
         f.write("{oops\n")
     good = write_jsonl(tmp_path / "good.jsonl", DOCS)
     out = str(tmp_path / "c")
-    meta = D.build_corpus([str(p), good], out, tok_path, workers=2, skip_bad_files=True)
+    meta = C.build_corpus([str(p), good], out, tok_path, workers=2, skip_bad_files=True)
     assert "line 601" in meta["skipped"][0]["reason"]
     assert sorted(decoded_docs(out)) == sorted(DOCS)
-    with pytest.raises(D.CorpusError, match="line 601"):
-        D.build_corpus([str(p), good], str(tmp_path / "c2"), tok_path, workers=2)
+    with pytest.raises(C.CorpusError, match="line 601"):
+        C.build_corpus([str(p), good], str(tmp_path / "c2"), tok_path, workers=2)
     assert leftovers(tmp_path / "c2") == []
 
 
 def test_input_and_output_errors(tmp_path, tok_path):
     good = write_jsonl(tmp_path / "good.jsonl", DOCS)
-    with pytest.raises(D.CorpusError, match="nothing_here"):
-        D.build_corpus([str(tmp_path / "nothing_here*.jsonl")], str(tmp_path / "c"), tok_path)
+    with pytest.raises(C.CorpusError, match="nothing_here"):
+        C.build_corpus([str(tmp_path / "nothing_here*.jsonl")], str(tmp_path / "c"), tok_path)
     (tmp_path / "e.txt").write_bytes(b"")
-    with pytest.raises(D.CorpusError, match="no documents"):
-        D.build_corpus([str(tmp_path / "e.txt")], str(tmp_path / "c"), tok_path, workers=1)
-    with pytest.raises(D.CorpusError, match="no documents"):
-        D.build_corpus([str(tmp_path / "e.txt")], str(tmp_path / "c"), None, demo_vocab_size=300, workers=1)
-    with pytest.raises(D.CorpusError, match="1 document;"):
-        D.build_corpus([write_jsonl(tmp_path / "one.jsonl", DOCS[:1])], str(tmp_path / "c"), tok_path, workers=1)
-    with pytest.raises(D.CorpusError, match="tokenizer"):
-        D.build_corpus([good], str(tmp_path / "c"), str(tmp_path / "missing"), workers=1)
-    with pytest.raises(D.CorpusError, match="eos"):
-        D.build_corpus([good], str(tmp_path / "c"), tok_path, eos_token="<nope>", workers=1)
+    with pytest.raises(C.CorpusError, match="no documents"):
+        C.build_corpus([str(tmp_path / "e.txt")], str(tmp_path / "c"), tok_path, workers=1)
+    with pytest.raises(C.CorpusError, match="no documents"):
+        C.build_corpus([str(tmp_path / "e.txt")], str(tmp_path / "c"), None, demo_vocab_size=300, workers=1)
+    with pytest.raises(C.CorpusError, match="1 document;"):
+        C.build_corpus([write_jsonl(tmp_path / "one.jsonl", DOCS[:1])], str(tmp_path / "c"), tok_path, workers=1)
+    with pytest.raises(C.CorpusError, match="tokenizer"):
+        C.build_corpus([good], str(tmp_path / "c"), str(tmp_path / "missing"), workers=1)
+    with pytest.raises(C.CorpusError, match="eos"):
+        C.build_corpus([good], str(tmp_path / "c"), tok_path, eos_token="<nope>", workers=1)
     assert leftovers(tmp_path / "c") == []
     out = str(tmp_path / "c")
-    D.build_corpus([good], out, tok_path, workers=1)
-    with pytest.raises(D.CorpusError, match="already holds a corpus"):
-        D.build_corpus([good], out, tok_path, workers=1)
-    D.build_corpus([good], out, tok_path, workers=1, overwrite=True, seed=3)
+    C.build_corpus([good], out, tok_path, workers=1)
+    with pytest.raises(C.CorpusError, match="already holds a corpus"):
+        C.build_corpus([good], out, tok_path, workers=1)
+    C.build_corpus([good], out, tok_path, workers=1, overwrite=True, seed=3)
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "x").write_text("x")
-    with pytest.raises(D.CorpusError, match="not an empty directory"):
-        D.build_corpus([good], str(tmp_path / "other"), tok_path, workers=1)
+    with pytest.raises(C.CorpusError, match="not an empty directory"):
+        C.build_corpus([good], str(tmp_path / "other"), tok_path, workers=1)
 
 
 def test_find_eos_and_load_tokenizer(tmp_path, tok_path):
-    tok = D.load_tokenizer(os.path.dirname(tok_path))
-    assert D.find_eos_id(tok) == tok.token_to_id("<|endoftext|>")
-    assert D.find_eos_id(tok, "a") == tok.token_to_id("a")
+    tok = C.load_tokenizer(os.path.dirname(tok_path))
+    assert C.find_eos_id(tok) == tok.token_to_id("<|endoftext|>")
+    assert C.find_eos_id(tok, "a") == tok.token_to_id("a")
     (tmp_path / "tokenizer.json").write_text("{nope")
-    with pytest.raises(D.CorpusError, match="cannot load"):
-        D.load_tokenizer(str(tmp_path))
+    with pytest.raises(C.CorpusError, match="cannot load"):
+        C.load_tokenizer(str(tmp_path))
 
 
 @pytest.fixture()
 def corpus(tmp_path, tok_path):
     docs = [f"{d} {i}" for i in range(4) for d in DOCS]
     out = str(tmp_path / "c")
-    D.build_corpus([write_jsonl(tmp_path / "d.jsonl", docs)], out, tok_path, val_fraction=0.3, workers=1)
+    C.build_corpus([write_jsonl(tmp_path / "d.jsonl", docs)], out, tok_path, val_fraction=0.3, workers=1)
     return out
 
 
@@ -288,12 +290,12 @@ def test_packed_dataset(corpus):
 def test_packed_dataset_errors(corpus, tmp_path):
     with open(os.path.join(corpus, "train.bin"), "ab") as f:
         f.write(b"\0\0")
-    with pytest.raises(D.CorpusError, match="train.bin"):
+    with pytest.raises(C.CorpusError, match="train.bin"):
         D.PackedDataset(corpus, "train", 16)
-    with pytest.raises(D.CorpusError, match="meta.json"):
+    with pytest.raises(C.CorpusError, match="meta.json"):
         D.PackedDataset(str(tmp_path / "nope"), "train", 16)
     val = D.PackedDataset(corpus, "val", 100000)
-    with pytest.raises(D.CorpusError, match="fewer than seq_len"):
+    with pytest.raises(C.CorpusError, match="fewer than seq_len"):
         len(val)
 
 
@@ -305,7 +307,7 @@ def test_validation_batches(corpus):
     assert flat == [i for b in D.validation_batches(val, 4, 4, 2) for i in b] == list(range(8))  # any batch size
     assert len(D.validation_batches(val, 2, 4, 10**6)) == n // 4 * 2  # whole global batches only
     assert len(D.validation_batches(val, 1, n + 1, 1)) == n  # less than one global batch: the whole split
-    with pytest.raises(D.CorpusError, match="val_fraction"):
+    with pytest.raises(C.CorpusError, match="val_fraction"):
         D.validation_batches(val, n + 1, n + 1, 1)
 
 
@@ -320,7 +322,7 @@ def test_sampler_epochs_and_determinism():
         assert len(set(seen)) == 20
         assert seen == np.random.default_rng([7, epoch]).permutation(23)[:20].tolist()
     assert D.GlobalBatchSampler(23, 5, seed=8).next_batch() != D.GlobalBatchSampler(23, 5, seed=7).next_batch()
-    with pytest.raises(D.CorpusError):
+    with pytest.raises(C.CorpusError):
         D.GlobalBatchSampler(4, 5, seed=0)
 
 
@@ -337,18 +339,18 @@ def test_sampler_resume():
     bigger = D.GlobalBatchSampler(30, 6, seed=1)
     bigger.load_state_dict(sd)
     assert bigger.next_batch() == np.random.default_rng([1, 1]).permutation(30)[8:14].tolist()
-    with pytest.raises(D.CorpusError, match="corpus"):
+    with pytest.raises(C.CorpusError, match="corpus"):
         D.GlobalBatchSampler(31, 4, seed=1).load_state_dict(sd)
-    with pytest.raises(D.CorpusError, match="seed"):
+    with pytest.raises(C.CorpusError, match="seed"):
         D.GlobalBatchSampler(30, 4, seed=2).load_state_dict(sd)
 
 
 def test_sampler_resume_refuses_another_seq_len_or_corpus_with_the_same_window_count():
     """9,600 tokens make 95 windows at seq_len 100 and at 101: the window count alone cannot tell."""
     sd = D.GlobalBatchSampler(95, 4, seed=1, seq_len=100, tokens=9600).state_dict()
-    with pytest.raises(D.CorpusError, match="data.seq_len=100"):
+    with pytest.raises(C.CorpusError, match="data.seq_len=100"):
         D.GlobalBatchSampler(95, 4, seed=1, seq_len=101, tokens=9600).load_state_dict(sd)
-    with pytest.raises(D.CorpusError, match="the corpus changed"):
+    with pytest.raises(C.CorpusError, match="the corpus changed"):
         D.GlobalBatchSampler(95, 4, seed=1, seq_len=100, tokens=9601).load_state_dict(sd)
     D.GlobalBatchSampler(95, 8, seed=1, seq_len=100, tokens=9600).load_state_dict(sd)  # another global batch: fine
     old = {k: v for k, v in sd.items() if k not in ("seq_len", "tokens")}  # a state saved without them
@@ -359,31 +361,31 @@ def test_a_folder_named_demo_is_not_taken_for_the_demo_corpus(tmp_path, monkeypa
     monkeypatch.chdir(tmp_path)
     (tmp_path / "demo").mkdir()
     (tmp_path / "demo" / "a.txt").write_text("hello")
-    with pytest.raises(D.CorpusError, match="pass ./demo"):
-        D.build_corpus(["demo"], str(tmp_path / "out"), None, workers=1)
-    monkeypatch.setattr(D, "demo_texts", lambda: ["def f():\n    return 1\n"] * 40)  # `pithtrain demo`'s spelling
-    meta = D.build_corpus([D.DEMO], str(tmp_path / "out"), None, workers=1, demo_vocab_size=300)
-    assert meta["sources"][0]["path"] == D.DEMO
+    with pytest.raises(C.CorpusError, match="pass ./demo"):
+        C.build_corpus(["demo"], str(tmp_path / "out"), None, workers=1)
+    monkeypatch.setattr(C, "demo_texts", lambda: ["def f():\n    return 1\n"] * 40)  # `pithtrain demo`'s spelling
+    meta = C.build_corpus([C.DEMO], str(tmp_path / "out"), None, workers=1, demo_vocab_size=300)
+    assert meta["sources"][0]["path"] == C.DEMO
 
 
 def test_demo_texts():
-    a = D.demo_texts()
+    a = C.demo_texts()
     assert len(a) > 10 and all(isinstance(t, str) and t for t in a)
     assert sum(len(t.encode()) for t in a) > 1_000_000
-    assert sum(len(t.encode()) for t in a) <= D.DEMO_TEXT_CAP
-    assert D.demo_texts()[:20] == a[:20]
+    assert sum(len(t.encode()) for t in a) <= C.DEMO_TEXT_CAP
+    assert C.demo_texts()[:20] == a[:20]
 
 
 def test_cli(tmp_path, tok_path, capsys):
     parser = argparse.ArgumentParser()
-    D.add_build_corpus_args(parser)
+    C.add_build_corpus_args(parser)
     good = write_jsonl(tmp_path / "good.jsonl", DOCS)
     args = parser.parse_args([good, "--out", str(tmp_path / "c"), "--tokenizer", tok_path, "--workers", "1"])
-    assert D.run_build_corpus(args) == 0
+    assert C.run_build_corpus(args) == 0
     assert "train" in capsys.readouterr().out
     bad_jsonl_line(tmp_path / "bad.jsonl")
     args = parser.parse_args([str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "c2"), "--tokenizer", tok_path])
-    assert D.run_build_corpus(args) == 2
+    assert C.run_build_corpus(args) == 2
     assert "line 3" in capsys.readouterr().err
 
 
@@ -395,7 +397,7 @@ def test_saved_truncation_and_padding_are_ignored(tmp_path, tok_path):
     t.save(str(tmp_path / "trunc.json"))
     src = write_jsonl(tmp_path / "d.jsonl", DOCS)
     for name, tok in (("plain", tok_path), ("trunc", str(tmp_path / "trunc.json"))):
-        D.build_corpus([src], str(tmp_path / name), tok, val_fraction=0.2, workers=1)
+        C.build_corpus([src], str(tmp_path / name), tok, val_fraction=0.2, workers=1)
     for name in ("train.bin", "val.bin", "train.idx.npy", "val.idx.npy"):
         assert (tmp_path / "plain" / name).read_bytes() == (tmp_path / "trunc" / name).read_bytes(), name
 
@@ -409,9 +411,9 @@ def test_tokenizer_fingerprint(tmp_path, tok_path):
     t = Tokenizer.from_file(tok_path)
     t.enable_truncation(max_length=8)
     t.save(str(tmp_path / "resaved.json"), pretty=False)
-    fp = D.tokenizer_fingerprint(tok_path)
-    assert D.tokenizer_fingerprint(str(tmp_path / "lower.json")) != fp
-    assert D.tokenizer_fingerprint(str(tmp_path / "resaved.json")) == fp
+    fp = C.tokenizer_fingerprint(tok_path)
+    assert C.tokenizer_fingerprint(str(tmp_path / "lower.json")) != fp
+    assert C.tokenizer_fingerprint(str(tmp_path / "resaved.json")) == fp
 
 
 def test_overwrite_replaces_only_a_corpus(tmp_path, tok_path):
@@ -420,18 +422,18 @@ def test_overwrite_replaces_only_a_corpus(tmp_path, tok_path):
     (mine / "meta.json").write_text('{"dataset": "mine"}')
     raw = write_jsonl(mine / "raw.jsonl", DOCS)
     (mine / "NOTES.txt").write_text("notes")
-    with pytest.raises(D.CorpusError, match="not an empty directory"):
-        D.build_corpus([raw], str(mine), tok_path, workers=1, overwrite=True)
+    with pytest.raises(C.CorpusError, match="not an empty directory"):
+        C.build_corpus([raw], str(mine), tok_path, workers=1, overwrite=True)
     assert sorted(os.listdir(mine)) == ["NOTES.txt", "meta.json", "raw.jsonl"]
     good = write_jsonl(tmp_path / "good.jsonl", DOCS)
     out = tmp_path / "c"
-    D.build_corpus([good], str(out), tok_path, workers=1)
-    with pytest.raises(D.CorpusError, match="inside the output"):
-        D.build_corpus([str(out)], str(out), tok_path, workers=1, overwrite=True)
+    C.build_corpus([good], str(out), tok_path, workers=1)
+    with pytest.raises(C.CorpusError, match="inside the output"):
+        C.build_corpus([str(out)], str(out), tok_path, workers=1, overwrite=True)
     meta = (out / "meta.json").read_text()
     (out / "NOTES.txt").write_text("notes")
-    with pytest.raises(D.CorpusError, match=r"other files \['NOTES.txt'\]"):
-        D.build_corpus([good], str(out), tok_path, workers=1, overwrite=True, seed=3)
+    with pytest.raises(C.CorpusError, match=r"other files \['NOTES.txt'\]"):
+        C.build_corpus([good], str(out), tok_path, workers=1, overwrite=True, seed=3)
     assert (out / "NOTES.txt").exists() and (out / "meta.json").read_text() == meta
 
 
@@ -439,13 +441,13 @@ def test_build_into_the_empty_current_directory(tmp_path, tok_path, monkeypatch)
     good = write_jsonl(tmp_path / "good.jsonl", DOCS)
     (tmp_path / "here").mkdir()
     monkeypatch.chdir(tmp_path / "here")
-    with pytest.raises(D.CorpusError, match="eos"):
-        D.build_corpus([good], ".", tok_path, eos_token="<nope>", workers=1)
+    with pytest.raises(C.CorpusError, match="eos"):
+        C.build_corpus([good], ".", tok_path, eos_token="<nope>", workers=1)
     assert os.listdir(".") == []  # an error leaves it empty
-    D.build_corpus([good], ".", tok_path, workers=1)
-    assert sorted(os.listdir(".")) == sorted(D.CORPUS_FILES) and sorted(decoded_docs(".")) == sorted(DOCS)
-    meta = D.build_corpus([good], ".", tok_path, workers=1, overwrite=True, seed=5)  # replaced in place
-    assert sorted(os.listdir(".")) == sorted(D.CORPUS_FILES) and json.load(open("meta.json")) == meta
+    C.build_corpus([good], ".", tok_path, workers=1)
+    assert sorted(os.listdir(".")) == sorted(C.CORPUS_FILES) and sorted(decoded_docs(".")) == sorted(DOCS)
+    meta = C.build_corpus([good], ".", tok_path, workers=1, overwrite=True, seed=5)  # replaced in place
+    assert sorted(os.listdir(".")) == sorted(C.CORPUS_FILES) and json.load(open("meta.json")) == meta
     assert sorted(os.listdir(tmp_path)) == ["good.jsonl", "here"]
     assert len(D.PackedDataset(".", "train", 8)) > 0
 
@@ -456,8 +458,8 @@ def test_missing_optional_package(tmp_path, tok_path, monkeypatch, fmt):
     for module in ["zstandard"] if fmt == "zst" else ["pyarrow", "pyarrow.parquet"]:
         monkeypatch.setitem(sys.modules, module, None)  # as if the [data] extra were not installed
     for skip in (False, True):  # not a bad file to skip either
-        with pytest.raises(D.CorpusError, match=r"needs the optional package .*pip install -e '\.\[data\]'"):
-            D.build_corpus([src], str(tmp_path / "c"), tok_path, workers=1, skip_bad_files=skip)
+        with pytest.raises(C.CorpusError, match=r"needs the optional package .*pip install -e '\.\[data\]'"):
+            C.build_corpus([src], str(tmp_path / "c"), tok_path, workers=1, skip_bad_files=skip)
     assert leftovers(tmp_path / "c") == []
 
 
@@ -466,8 +468,40 @@ def test_an_empty_split_takes_a_document_and_says_how_much(tmp_path, tok_path, c
     warning of its size; a validation split too short for a window names --val-fraction."""
     docs = [f"{d} {i}" for i in range(4) for d in DOCS]
     out = str(tmp_path / "c")
-    with caplog.at_level("WARNING", logger="pithtrain.data"):
-        meta = D.build_corpus([write_jsonl(tmp_path / "d.jsonl", docs)], out, tok_path, val_fraction=0.0, workers=1)
+    with caplog.at_level("WARNING", logger="pithtrain.corpus"):
+        meta = C.build_corpus([write_jsonl(tmp_path / "d.jsonl", docs)], out, tok_path, val_fraction=0.0, workers=1)
     assert meta["splits"]["val"]["docs"] == 1 and "the val split was empty" in caplog.text
-    with pytest.raises(D.CorpusError, match="larger --val-fraction"):
+    with pytest.raises(C.CorpusError, match="larger --val-fraction"):
         len(D.PackedDataset(out, "val", 4096))
+
+
+def test_byte_order_marks_are_not_text(tmp_path, tok_path):
+    """A JSON-lines or text file that starts with a UTF-8 byte-order mark builds the corpus it would
+    without one; a bad byte after the mark is still placed by its offset in the file."""
+    plain = [write_jsonl(tmp_path / "a.jsonl", DOCS), write_txt_dir(tmp_path / "t", DOCS[:3])]
+    marked = [str(tmp_path / "b.jsonl"), str(tmp_path / "u")]
+    (tmp_path / "b.jsonl").write_bytes(b"\xef\xbb\xbf" + open(plain[0], "rb").read())
+    os.makedirs(marked[1])
+    for name in sorted(os.listdir(plain[1])):
+        (tmp_path / "u" / name).write_bytes(b"\xef\xbb\xbf" + (tmp_path / "t" / name).read_bytes())
+    for srcs, out in ((plain, "c1"), (marked, "c2")):
+        C.build_corpus(srcs, str(tmp_path / out), tok_path, workers=1)
+    for name in ("train.bin", "val.bin", "train.idx.npy", "val.idx.npy"):
+        assert (tmp_path / "c1" / name).read_bytes() == (tmp_path / "c2" / name).read_bytes(), name
+    (tmp_path / "bad.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "caf\xe9"}\n')
+    with pytest.raises(C.CorpusError, match=r"line 1: not valid UTF-8 \(byte at column 17\)"):
+        C.build_corpus([str(tmp_path / "bad.jsonl"), plain[0]], str(tmp_path / "c3"), tok_path, workers=1)
+
+
+def _die(texts):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_tokenizer_worker_that_dies_is_a_corpus_error(tmp_path, tok_path, monkeypatch):
+    """A worker killed from outside (the system's out-of-memory killer) ends the build with a
+    CorpusError that says what happened and what to change, and leaves nothing behind."""
+    monkeypatch.setattr(C, "_worker_encode", _die)
+    out = tmp_path / "c"
+    with pytest.raises(C.CorpusError, match="tokenizer worker process died.*fewer --workers"):
+        C.build_corpus([write_jsonl(tmp_path / "a.jsonl", DOCS)], str(out), tok_path, workers=2)
+    assert leftovers(out) == []

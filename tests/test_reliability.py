@@ -335,7 +335,7 @@ def test_a_corpus_from_another_tokenizer_is_refused(tiny_corpus, tmp_path):
     different tokenizer, stops before training with both named."""
     import shutil
 
-    from pithtrain.train.data import build_corpus, demo_texts
+    from pithtrain.train.corpus import build_corpus, demo_texts
     from pithtrain.train.loop import train
 
     other = tmp_path / "other"
@@ -359,7 +359,7 @@ def test_a_corpus_from_another_tokenizer_is_refused(tiny_corpus, tmp_path):
 def test_a_checkpoint_with_the_vocabulary_only_fingerprint_resumes(tiny_corpus, tmp_path, monkeypatch):
     """Checkpoints that hold the older fingerprint (the vocabulary alone) resume on their corpus."""
     from pithtrain.train import loop
-    from pithtrain.train.data import vocabulary_fingerprint
+    from pithtrain.train.corpus import vocabulary_fingerprint
 
     toml = write_run(tmp_path, tiny_corpus, "device = \"cpu\"\n")
     with monkeypatch.context() as m:
@@ -370,7 +370,7 @@ def test_a_checkpoint_with_the_vocabulary_only_fingerprint_resumes(tiny_corpus, 
 
 
 def test_resume_refuses_another_seq_len_and_notes_another_global_batch(tiny_corpus, tmp_path, capsys):
-    from pithtrain.train.data import CorpusError
+    from pithtrain.train.corpus import CorpusError
     from pithtrain.train.loop import train
 
     toml = write_run(tmp_path, tiny_corpus, "device = \"cpu\"\n")

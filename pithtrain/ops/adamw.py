@@ -12,8 +12,6 @@ torch twin. The optimizer that calls it is `AdamW` in `train/optim.py`.
 
 import math
 
-import torch
-
 from pithtrain.ops import triton, use_triton
 
 if triton is not None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import time
 
@@ -32,8 +31,8 @@ from pithtrain.tools.memory import check_fits, estimate_for_run
 from pithtrain.train import checkpoint
 from pithtrain.train.guard import (Preemption, StepGuard, TrainingHalted, collective_failure, first_nonfinite_module,
                                    silent_ranks, inject_failure, injected, out_of_memory_report)
-from pithtrain.train.data import (GlobalBatchSampler, PackedDataset, batch_tensors, document_ids, tokenizer_fingerprint,
-                                  validation_batches, vocabulary_fingerprint)
+from pithtrain.train.corpus import tokenizer_fingerprint, vocabulary_fingerprint
+from pithtrain.train.data import GlobalBatchSampler, PackedDataset, batch_tensors, document_ids, validation_batches
 from pithtrain.train.log import QuietLog, RunLog, peak_memory_gb, plot_losses
 from pithtrain.train.optim import build_optimizer, clip_grad_norm, lr_at, set_hyperparameters, set_lr
 
