@@ -94,10 +94,10 @@ def test_training_on_cuda(tiny_corpus, tmp_path):
     summary = train(cfg)
     first = summary["first_loss"]
     assert summary["train_loss"] < 0.8 * first, summary
-    resumed = train(load_config(toml, ["train.steps=40", "train.device=cuda", "data.seq_len=128",
+    resumed = train(load_config(toml, ["train.steps=44", "train.device=cuda", "data.seq_len=128",
                                        "data.micro_batch_size=8", "data.global_batch_size=16",
-                                       "checkpoint.resume=auto"]))
-    assert resumed["start_step"] == 40
+                                       "checkpoint.resume=auto"]))  # a run already at train.steps is refused
+    assert resumed["start_step"] == 40, resumed
 
 
 FAMILIES = ["deepseek_v2-q_lora-group_limited", "deepseek_v3", "gpt_oss"]
