@@ -1,6 +1,6 @@
 """Checkpoint edge cases, in process: pruning after resuming an earlier step, every refused
 checkpoint reported, clear errors for weights-only and mismatched checkpoints, tied embeddings,
-a re-save killed between its renames, and bad Hugging Face folders (`pithtrain convert`)."""
+saves cut short, damaged markers, folders that are not checkpoints, and bad Hugging Face folders (`pithtrain convert`)."""
 
 import json
 import logging
@@ -120,31 +120,94 @@ def test_a_tied_model_never_loads_the_head_into_its_embedding(tmp_path):
         assert fresh.lm_head.weight is fresh.model.embed_tokens.weight
 
 
-@pytest.mark.parametrize("new_copy_ok", [True, False])
-def test_a_resave_killed_between_its_renames_keeps_a_checkpoint(tmp_path, monkeypatch, new_copy_ok):
-    """Step 10 saved again and killed after `step-10 -> .old-step-10`: the start of the next run moves
-    in the new copy if it verifies, else restores the old one."""
+@pytest.mark.parametrize("cut", ["before-marker", "before-rename"])
+def test_a_save_cut_short_never_hands_the_abandoned_timeline_to_resume(tmp_path, monkeypatch, cut):
+    """Resumed from step 10 while 20 exists, the save of 15 is killed before its marker or between
+    its marker and its rename: step 20 was set aside when the save began, so resume=auto takes 10
+    (or 15, which the next start moves in when its marker was written), never the old 20."""
     mo = model_and_optimizer()
     save(tmp_path, 10, mo, mark=1)
-    replace = os.replace
+    save(tmp_path, 20, mo, mark=1)
+    replace, write = os.replace, checkpoint._write_json
 
-    def killed(src, dst):
-        replace(src, dst)
-        if os.path.basename(dst).startswith(".old-"):
+    def killed_rename(src, dst):
+        if os.path.basename(dst) == "step-00000015":
             raise KeyboardInterrupt  # the process dies here
+        replace(src, dst)
 
-    monkeypatch.setattr(checkpoint.os, "replace", killed)
+    def killed_marker(path, data):
+        if os.path.basename(path) == checkpoint.MARKER:
+            raise KeyboardInterrupt
+        write(path, data)
+
+    if cut == "before-rename":
+        monkeypatch.setattr(checkpoint.os, "replace", killed_rename)
+    else:
+        monkeypatch.setattr(checkpoint, "_write_json", killed_marker)
     with pytest.raises(KeyboardInterrupt):
-        save(tmp_path, 10, mo, mark=2)
+        save(tmp_path, 15, mo, mark=2)
     monkeypatch.undo()
-    assert names(tmp_path) == [".old-step-00000010", ".tmp-step-00000010"]
-    if not new_copy_ok:
-        os.remove(tmp_path / ".tmp-step-00000010" / "trainer.json")
+    assert names(tmp_path) == [".abandoned-step-00000020", ".tmp-step-00000015", "step-00000010"]
+    assert checkpoint.newest_valid(str(tmp_path)) == (str(tmp_path / "step-00000010"), [])
     removed = checkpoint.clean_partial(str(tmp_path))
-    assert removed == [".old-step-00000010" if new_copy_ok else ".tmp-step-00000010"]
-    assert names(tmp_path) == ["step-00000010"]
+    if cut == "before-rename":  # complete: moved in
+        assert removed == [] and checkpoint.newest_valid(str(tmp_path))[0] == str(tmp_path / "step-00000015")
+    else:
+        assert removed == [".tmp-step-00000015"]
+        assert checkpoint.newest_valid(str(tmp_path))[0] == str(tmp_path / "step-00000010")
+
+
+def test_a_save_of_an_existing_step_keeps_the_old_copy_aside(tmp_path):
+    """After a rewind the new timeline saves a step the old one had: the old copy is kept as
+    `.abandoned-step-N` (with the old timeline's later ones), not deleted; the new one is step-N."""
+    mo = model_and_optimizer()
+    for s in (10, 20, 30):
+        save(tmp_path, s, mo, mark=1)
+    save(tmp_path, 20, mo, mark=2)
+    assert names(tmp_path) == [".abandoned-step-00000020", ".abandoned-step-00000030", "step-00000010",
+                               "step-00000020"]
+    mark = lambda d: json.load(open(tmp_path / d / "trainer.json"))["mark"]  # noqa: E731
+    assert mark("step-00000020") == 2 and mark(".abandoned-step-00000020") == 1
+    leftover = tmp_path / ".old-step-00000040"  # left by a killed same-step save of earlier versions
+    shutil.copytree(tmp_path / ".abandoned-step-00000030", leftover)
+    assert checkpoint.clean_partial(str(tmp_path)) == [] and os.path.isdir(tmp_path / "step-00000040")
+
+
+MARKER_DAMAGE = {
+    "not JSON": lambda raw: raw[:-5],
+    "not UTF-8": lambda raw: raw.replace(b'"step"', b'"st\xf4p"', 1),
+    "a key renamed": lambda raw: raw.replace(b'"bytes"', b'"bytds"', 1),
+    "files a list": lambda raw: json.dumps({"step": 20, "files": ["a"]}).encode(),
+    "not an object": lambda raw: b"[1, 2]",
+}
+
+
+@pytest.mark.parametrize("damage", sorted(MARKER_DAMAGE))
+def test_a_damaged_marker_is_refused_and_passed_over(tmp_path, damage):
+    """A complete.json that is not JSON, not UTF-8 or not of the marker's form is a CheckpointError
+    naming the checkpoint: resume=auto passes over it, and a later save (which prunes) still works."""
+    mo = model_and_optimizer()
+    for s in (10, 20):
+        save(tmp_path, s, mo)
+    marker = tmp_path / "step-00000020" / checkpoint.MARKER
+    marker.write_bytes(MARKER_DAMAGE[damage](marker.read_bytes()))
+    with pytest.raises(CheckpointError, match="step-00000020: complete.json is corrupt"):
+        checkpoint.verify(str(tmp_path / "step-00000020"))
     path, refused = checkpoint.newest_valid(str(tmp_path))
-    assert refused == [] and json.load(open(os.path.join(path, "trainer.json")))["mark"] == (2 if new_copy_ok else 1)
+    assert path == str(tmp_path / "step-00000010") and len(refused) == 1 and "complete.json is corrupt" in refused[0]
+    save(tmp_path, 11, mo, keep=1)
+    assert checkpoint.newest_valid(str(tmp_path))[0] == str(tmp_path / "step-00000011")
+
+
+def test_a_folder_that_is_not_a_checkpoint_says_what_to_name(tmp_path, hf_folder):
+    """The checkpoints folder (or the run folder above it) and an unconverted Hugging Face folder
+    are each refused with what to set instead."""
+    save(tmp_path / "run" / "checkpoints", 10, model_and_optimizer())
+    for where in (tmp_path / "run" / "checkpoints", tmp_path / "run"):
+        with pytest.raises(CheckpointError, match="name one of its step-N folders, or set checkpoint.resume=auto"):
+            checkpoint.verify(str(where))
+    with pytest.raises(CheckpointError, match="Hugging Face folder: convert it with `pithtrain convert hf-to-dcp"):
+        checkpoint.verify(str(hf_folder))
 
 
 @pytest.fixture

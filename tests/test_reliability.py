@@ -369,7 +369,7 @@ def test_a_checkpoint_with_the_vocabulary_only_fingerprint_resumes(tiny_corpus, 
     assert summary["train_loss"] == summary["train_loss"]
 
 
-def test_resume_refuses_another_seq_len_and_notes_another_global_batch(tiny_corpus, tmp_path, capsys):
+def test_resume_refuses_another_seq_len_or_model_and_notes_another_global_batch(tiny_corpus, tmp_path, capsys):
     from pithtrain.train.corpus import CorpusError
     from pithtrain.train.loop import train
 
@@ -377,6 +377,9 @@ def test_resume_refuses_another_seq_len_and_notes_another_global_batch(tiny_corp
     train(load_config(toml, ["train.steps=2", "optim.warmup_steps=1"]))
     with pytest.raises(CorpusError, match="data.seq_len=32"):
         train(load_config(toml, ["train.steps=3", "optim.warmup_steps=1", "checkpoint.resume=auto", "data.seq_len=33"]))
+    with pytest.raises(ConfigError, match=r"another model config \(rms_norm_eps: 1e-06 there, 0.001 now\)"):
+        train(load_config(toml, ["train.steps=3", "optim.warmup_steps=1", "checkpoint.resume=auto",
+                                 "model.rms_norm_eps=0.001"]))  # same shapes, other maths
     capsys.readouterr()
     train(load_config(toml, ["train.steps=3", "optim.warmup_steps=1", "checkpoint.resume=auto",
                              "data.global_batch_size=8"]))

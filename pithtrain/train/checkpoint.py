@@ -8,9 +8,10 @@ Layout of `<dir>/step-NNNNNNNN/`:
   complete.json           written last: each file's size and CRC-32; its presence marks completion
 A save goes to `.tmp-step-NNNNNNNN/` and is renamed when complete, so a save killed at any point
 leaves the earlier checkpoints untouched and the partial one ignored (and removed at the next
-start). A save keeps the newest `keep` checkpoints up to its step; newer ones are from a timeline
-abandoned by resuming an earlier checkpoint and are renamed to `.abandoned-step-NNNNNNNN/` (kept,
-not resumed by `resume=auto`). Listing checks sizes; loading checks every CRC (rank 0 reads the
+start). When a save starts, checkpoints of its step or later (a timeline abandoned by
+resuming an earlier checkpoint, or ones passed over as invalid) are renamed to
+`.abandoned-step-NNNNNNNN/` (kept, not resumed by `resume=auto`); after it, the newest `keep`
+checkpoints up to its step stay. Listing checks sizes; loading checks every CRC (rank 0 reads the
 files, the verdict goes to all ranks), so a truncated or corrupted checkpoint is refused with its
 path and file named, and `resume=auto` passes over it to the newest valid one (`newest_valid`).
 
@@ -153,6 +154,7 @@ def save(root: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Op
     tmp = os.path.join(root, f".tmp-step-{step:08d}")
     if _rank() == 0:
         os.makedirs(root, exist_ok=True)
+        set_aside(root, step)  # first: a save cut short anywhere must not leave them to resume=auto
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier()
@@ -197,14 +199,24 @@ def finalize_dir(tmp: str, final: str, info: dict) -> None:
     files = {n: {"bytes": os.path.getsize(os.path.join(tmp, n)), "crc32": crcs[n]} for n in names}
     _write_json(os.path.join(tmp, MARKER), {**info, "files": files})
     _fsync_dir(tmp)
-    if os.path.exists(final):  # the same step saved again (e.g. a rerun): replace it whole
-        old = os.path.join(os.path.dirname(final), f".old-{os.path.basename(final)}")
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, final)
+    if os.path.exists(final):
+        raise CheckpointError(f"{final} exists; it is not replaced")
+    os.replace(tmp, final)
     _fsync_dir(os.path.dirname(os.path.abspath(final)))
+
+
+def _what_it_is(path: str) -> str:
+    """For a folder without a marker: what it looks like and what to name instead."""
+    if not os.path.isdir(path):
+        return ""
+    names = os.listdir(path)
+    if any(STEP_DIR.match(n) for n in names) or os.path.isdir(os.path.join(path, "checkpoints")):
+        return ("; it holds checkpoints rather than being one: name one of its step-N folders, or set "
+                "checkpoint.resume=auto to take the newest valid one of checkpoint.dir")
+    if any(n.endswith(".safetensors") for n in names):
+        return (f"; it is a Hugging Face folder: convert it with `pithtrain convert hf-to-dcp {path} OUT` and name "
+                "OUT")
+    return ""
 
 
 def verify(path: str, checksums: bool = False) -> dict:
@@ -212,15 +224,16 @@ def verify(path: str, checksums: bool = False) -> dict:
     size; with `checksums` also its CRC-32, which reads every byte); return the marker."""
     marker = os.path.join(path, MARKER)
     if not os.path.isfile(marker):
-        raise CheckpointError(f"checkpoint {path} is incomplete: {MARKER} is missing")
+        raise CheckpointError(f"checkpoint {path} is incomplete: {MARKER} is missing{_what_it_is(path)}")
     try:
-        with open(marker) as f:
-            info = json.load(f)
+        with open(marker, "rb") as f:
+            info = json.loads(f.read())
         files = info["files"]
-    except (json.JSONDecodeError, KeyError) as e:
-        raise CheckpointError(f"checkpoint {path}: {MARKER} is corrupt ({e})") from None
-    for name, entry in files.items():
-        size = entry["bytes"] if isinstance(entry, dict) else entry  # older markers: sizes only
+        sizes = {n: int(e["bytes"] if isinstance(e, dict) else e) for n, e in files.items()}  # older: sizes only
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # not JSON, not UTF-8, not the marker's form
+        raise CheckpointError(f"checkpoint {path}: {MARKER} is corrupt ({type(e).__name__}: {e}); "
+                              "resume from another checkpoint") from None
+    for name, size in sizes.items():
         p = os.path.join(path, name)
         if not os.path.isfile(p):
             raise CheckpointError(f"checkpoint {path} is missing {name}")
@@ -269,6 +282,18 @@ def newest_valid(root: str) -> tuple[str | None, list[str]]:
     return found, refused
 
 
+def stored_config(path: str) -> dict | None:
+    """The model config.json stored with checkpoint `path` (None for checkpoints without one)."""
+    p = os.path.join(path, "config.json")
+    if not os.path.isfile(p):
+        return None
+    try:
+        with open(p, "rb") as f:
+            return json.loads(f.read())
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {path}: config.json is not valid JSON ({e})") from None
+
+
 def step_dirs(root: str) -> list[tuple[int, str]]:
     """(step, path) of every `step-*` directory under `root`, verified or not, oldest first."""
     if not os.path.isdir(root):
@@ -297,9 +322,11 @@ def _passes(path: str) -> bool:
 
 
 def clean_partial(root: str) -> list[str]:
-    """Remove the leftovers of interrupted saves; return what was removed (rank 0 only).
-    A save of a step that already existed, killed between its two renames, leaves `.old-step-N`
-    and `.tmp-step-N` but no `step-N`: the new copy is moved in if it verifies, else the old one."""
+    """Remove the leftovers of interrupted saves; return what was removed (rank 0 only). A save
+    killed after its marker but before its rename leaves a complete `.tmp-step-N`: it is moved in
+    (later checkpoints set aside first, as its save would have). `.old-step-N` (left by a killed
+    same-step save of earlier versions, which replaced the old copy) is moved back when no
+    `step-N` exists and it verifies."""
     removed = []
     if _rank() == 0 and os.path.isdir(root):
         for name in sorted(os.listdir(root), key=lambda n: not n.startswith(".tmp-")):  # the new copy first
@@ -307,6 +334,7 @@ def clean_partial(root: str) -> list[str]:
                 continue
             path, final = os.path.join(root, name), os.path.join(root, name[5:])
             if not os.path.exists(final) and _passes(path):
+                set_aside(root, int(name[-8:]) + 1)  # as a save does when it starts (earlier versions did later)
                 os.replace(path, final)
                 _fsync_dir(root)
                 continue
@@ -316,21 +344,28 @@ def clean_partial(root: str) -> list[str]:
     return removed
 
 
-def prune(root: str, keep: int, step: int) -> None:
-    """After saving `step` (never deleted): keep the newest `keep` checkpoints up to it, counting it.
-    Newer ones are from a timeline abandoned by resuming an earlier checkpoint: renamed aside to
-    `.abandoned-step-N` (not deleted, not resumed by `resume=auto`), so a later resume stays on this one."""
+def set_aside(root: str, step: int) -> list[str]:
+    """When checkpoint `step` is saved: every `step-M` with M >= step is not on this run's
+    timeline (the run resumed from an earlier step, or passed over them as invalid), so each is
+    renamed to `.abandoned-step-M` (kept, never deleted, not resumed by `resume=auto`)."""
     moved = []
     for s, path in step_dirs(root):
-        if s > step:
+        if s >= step:
             aside, n = os.path.join(root, f".abandoned-{os.path.basename(path)}"), 1
             while os.path.exists(aside):  # abandoned before: keep every copy
                 aside, n = os.path.join(root, f".abandoned-{os.path.basename(path)}-{n}"), n + 1
             os.replace(path, aside)
             moved.append(os.path.basename(aside))
     if moved:
-        logger.warning("checkpoints after step %d belong to an abandoned run (resumed from an earlier step); "
-                       "moved aside in %s: %s", step, root, ", ".join(moved))
+        _fsync_dir(root)
+        logger.warning("checkpoints at or after step %d are not on this run's timeline (it resumed from an earlier "
+                       "step, or passed over them as invalid); moved aside in %s: %s", step, root, ", ".join(moved))
+    return moved
+
+
+def prune(root: str, keep: int, step: int) -> None:
+    """After saving `step` (never deleted): keep the newest `keep` checkpoints up to it, counting it
+    (later ones were set aside when its save began, `set_aside`)."""
     older = [path for s, path in complete_checkpoints(root) if s < step]
     for path in older[:max(len(older) - (keep - 1), 0)]:
         shutil.rmtree(path, ignore_errors=True)

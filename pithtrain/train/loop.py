@@ -247,6 +247,21 @@ def refuse_to_overwrite(run_dir: str, ckpt_dir: str) -> None:
         )
 
 
+def check_same_model(path: str, hf: dict) -> None:
+    """A resume continues the model it was saved with: any field of the stored config.json that
+    differs (top-k, rope_theta, eps, ... change the maths without changing a tensor shape) is an error."""
+    saved, now = checkpoint.stored_config(path), json.loads(json.dumps(hf))
+    if saved is None:
+        return
+    missing = object()
+    diff = [f"{k}: {saved.get(k, '(unset)')!r} there, {now.get(k, '(unset)')!r} now"
+            for k in sorted(saved.keys() | now.keys()) if saved.get(k, missing) != now.get(k, missing)]
+    if diff:
+        raise ConfigError(f"checkpoint {path} was saved with another model config ({'; '.join(diff[:8])}"
+                          f"{'; ...' if len(diff) > 8 else ''}): resume with the model settings it was saved with "
+                          "(its config.json), or start a new run from its weights with checkpoint.init_from")
+
+
 def save_run_config(cfg: RunConfig) -> None:
     os.makedirs(cfg.log.run_dir, exist_ok=True)
     with open(os.path.join(cfg.log.run_dir, "run_config.json"), "w") as f:
@@ -304,6 +319,7 @@ def train(cfg: RunConfig) -> dict:
     else:
         path = None if resume == "none" else resume
     if path is not None:
+        check_same_model(path, cfg.model.hf)
         state = checkpoint.load(path, model, optimizer)
         saved = state.get("tokenizer", corpus_tokenizer)
         if saved != corpus_tokenizer and not (has_tok and saved == vocabulary_fingerprint(train_ds.tokenizer_path)):
