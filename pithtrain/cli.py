@@ -66,6 +66,11 @@ def cmd_convert(args) -> int:
     from pithtrain.train import hf
 
     if args.direction == "hf-to-dcp":
+        given = [o for o, v in (("--config", args.config), ("--dtype", args.dtype),
+                                ("--max-shard-size", args.max_shard_size)) if v is not None]
+        if given:
+            raise ConfigError(f"{', '.join(given)}: dcp-to-hf options; hf-to-dcp keeps the folder's config.json and "
+                              "dtypes (nothing was written)")
         info = hf.hf_to_dcp(args.src, args.out, tokenizer=args.tokenizer)
         print(f"wrote {info['tensors']} tensors to {args.out} (DCP); use it with checkpoint.init_from={args.out}")
     else:
@@ -74,11 +79,13 @@ def cmd_convert(args) -> int:
             try:
                 with open(args.config) as f:
                     config = json.load(f)
-            except (OSError, json.JSONDecodeError) as e:
+            except (OSError, ValueError) as e:
                 raise ConfigError(f"--config {args.config}: {e}") from None
-        dtype = {"keep": None, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+            if not isinstance(config, dict):
+                raise ConfigError(f"--config {args.config}: not a JSON object (a model's config.json)")
+        dtype = {"keep": None, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or "keep"]
         info = hf.dcp_to_hf(args.src, args.out, hf_config=config, tokenizer=args.tokenizer, dtype=dtype,
-                            max_shard_bytes=parse_size(args.max_shard_size))
+                            max_shard_bytes=parse_size(args.max_shard_size or "5GB"))
         print(f"wrote {info['tensors']} tensors in {info['shards']} shards to {args.out}")
     if info["tokenizer_files"]:
         print(f"tokenizer files: {', '.join(info['tokenizer_files'])}")
@@ -161,9 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", help="the output directory; it must not exist")
     p.add_argument("--tokenizer", help="copy the tokenizer files from this folder (default: from src)")
     p.add_argument("--config", help="dcp-to-hf: the model's config.json (default: the one in the checkpoint)")
-    p.add_argument("--dtype", choices=["keep", "bf16", "fp32"], default="keep",
-                   help="dcp-to-hf: dtype of the floating tensors written (default: as stored)")
-    p.add_argument("--max-shard-size", default="5GB", help="dcp-to-hf: bytes per safetensors shard (default 5GB)")
+    p.add_argument("--dtype", choices=["keep", "bf16", "fp32"],
+                   help="dcp-to-hf: dtype of the floating tensors written (default: keep, as stored)")
+    p.add_argument("--max-shard-size", help="dcp-to-hf: bytes per safetensors shard (default 5GB)")
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("demo", help="build the demo corpus and train the tiny MoE demo model on it")

@@ -252,3 +252,93 @@ def test_deepseek_without_shared_experts_round_trips(tmp_path):
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
     with torch.no_grad():
         assert rel(back(ids).logits, theirs(ids).logits) < 1e-5
+
+
+def write_hub(folder, cfg, tweak=lambda tensors: None, file="model.safetensors"):
+    """A hub-form folder (one tensor per expert) of a random model of `cfg`, `tweak`ed before saving."""
+    os.makedirs(folder, exist_ok=True)
+    model, layout = random_model(cfg), hf.expected_tensors(cfg)
+    tensors = {}
+    for n, t in model.state_dict().items():
+        if n in layout:
+            tensors.update(hf._hub_tensors(n, t, layout[n][1]))
+    tweak(tensors)
+    safetensors_torch.save_file({n: t.contiguous() for n, t in tensors.items()}, os.path.join(folder, file))
+    json.dump(cfg, open(os.path.join(folder, "config.json"), "w"))
+    return tensors
+
+
+def test_malformed_hub_folders_are_refused_and_leave_nothing(tmp_path):
+    """One expert of another shape, a tied config whose folder holds a different head, a stale
+    second file without an index, an index that puts a tensor in the wrong file, MXFP4 scales of
+    the wrong shape and a quantization_config that is not an object: each is a CheckpointError that
+    says what is wrong, and no output (or temporary folder) is left."""
+    qwen = dict(CASES["qwen3"])
+    cases = {}
+
+    def narrow(t):
+        t["model.layers.0.mlp.experts.3.up_proj.weight"] = t["model.layers.0.mlp.experts.3.up_proj.weight"][:, :-2]
+    write_hub(tmp_path / "shape", qwen, narrow)
+    cases["shape"] = "experts differ from model.layers.0.mlp.experts.0.gate_proj.weight"
+
+    def other_head(t):
+        t["lm_head.weight"] = t["model.embed_tokens.weight"] + 1
+    write_hub(tmp_path / "tied", dict(qwen, tie_word_embeddings=True), other_head)
+    cases["tied"] = "lm_head.weight differs from model.embed_tokens.weight; set tie_word_embeddings to false"
+
+    tensors = write_hub(tmp_path / "stale", qwen)
+    safetensors_torch.save_file({"model.norm.weight": torch.zeros_like(tensors["model.norm.weight"])},
+                                str(tmp_path / "stale" / "model_old.safetensors"))
+    cases["stale"] = "model.norm.weight is in both model.safetensors and model_old.safetensors"
+
+    tensors = write_hub(tmp_path / "index", qwen)
+    safetensors_torch.save_file({"x": torch.zeros(1)}, str(tmp_path / "index" / "other.safetensors"))
+    json.dump({"weight_map": {**{n: "model.safetensors" for n in tensors}, "model.norm.weight": "other.safetensors"}},
+              open(tmp_path / "index" / "model.safetensors.index.json", "w"))
+    cases["index"] = "puts 1 tensor\\(s\\) in other.safetensors, which lacks them \\(model.norm.weight\\)"
+
+    gpt = dict(CASES["gpt_oss"], intermediate_size=64, quantization_config={"quant_method": "mxfp4"})
+
+    def mxfp4(t):
+        for name in [n for n in t if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+            E, cols, rows = t.pop(name).shape
+            t[name + "_blocks"] = torch.zeros(E, rows, cols // 32, 16, dtype=torch.uint8)
+            t[name + "_scales"] = torch.zeros(E, rows, 1, dtype=torch.uint8)  # one group, not cols // 32
+    write_hub(tmp_path / "mxfp4", gpt, mxfp4)
+    cases["mxfp4"] = "are not MXFP4"
+
+    write_hub(tmp_path / "quant", dict(qwen, quantization_config="fp8"))
+    cases["quant"] = "quantization_config is 'fp8', expected an object"
+
+    for name, message in cases.items():
+        with pytest.raises(CheckpointError, match=message):
+            hf.hf_to_dcp(str(tmp_path / name), str(tmp_path / f"{name}-dcp"))
+        assert not [n for n in os.listdir(tmp_path) if n.startswith((f"{name}-dcp", f".partial-{name}-dcp"))], name
+
+
+def test_export_shards_stay_under_the_limit_and_dcp_options_belong_to_dcp_to_hf(tmp_path):
+    """The shard limit counts the tensors written (one expert each), not our stacked ones; an export
+    of a model trained with moe.aux_free (a correction bias transformers' Qwen3 has no place for) is
+    refused, and such a model starts from converted weights with zero biases; the dcp-to-hf options
+    given to hf-to-dcp are refused."""
+    from pithtrain.layers.moe import BalanceOptions
+
+    src = tmp_path / "hf"
+    write_hub(src, dict(CASES["qwen3"]))
+    hf.hf_to_dcp(str(src), str(tmp_path / "dcp"))
+    info = hf.dcp_to_hf(str(tmp_path / "dcp"), str(tmp_path / "out"), max_shard_bytes=8192)
+    sizes = [os.path.getsize(tmp_path / "out" / n) for n in os.listdir(tmp_path / "out") if n.endswith(".safetensors")]
+    largest = max(t.numel() * t.element_size() for t in read_folder(tmp_path / "out").values())
+    assert info["shards"] == len(sizes) > 2 and max(sizes) <= max(8192, largest) + 4096  # + the file's header
+    assert read_folder(tmp_path / "out").keys() == read_folder(src).keys()
+
+    free = build_model(dict(CASES["qwen3"]), BalanceOptions(aux_free=True))
+    checkpoint.load_weights(str(tmp_path / "dcp"), free)
+    assert all(m.e_score_correction_bias.abs().sum() == 0 for m in free.modules()
+               if getattr(m, "e_score_correction_bias", None) is not None)
+    path = checkpoint.save(str(tmp_path / "ckpts"), 1, free, torch.optim.AdamW(free.parameters()), {}, keep=1,
+                           hf_config=dict(CASES["qwen3"]))
+    with pytest.raises(CheckpointError, match="e_score_correction_bias .* qwen3_moe in transformers has no place"):
+        hf.dcp_to_hf(path, str(tmp_path / "free-out"))
+    proc = run_cli("convert", "hf-to-dcp", str(src), str(tmp_path / "dcp2"), "--dtype", "bf16", check=False)
+    assert proc.returncode == 2 and "--dtype: dcp-to-hf options" in proc.stderr and not (tmp_path / "dcp2").exists()

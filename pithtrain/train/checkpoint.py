@@ -448,6 +448,11 @@ def load_weights(path: str, model: torch.nn.Module) -> None:
     stored = stored_tensors(path)
     view, pairs = _global_experts(state, model, "model")
     view, head = _untied(model, view, stored)
+    fresh = [n for n in view if n.endswith(".e_score_correction_bias") and n not in stored]
+    if fresh:  # moe.aux_free on weights trained without it: its biases start at zero, as in a new run
+        logger.info("%s has no e_score_correction_bias; moe.aux_free starts its %d routers' biases at zero", path,
+                    len(fresh))
+        view = {n: t for n, t in view.items() if n not in fresh}
     check_tensors(path, {n: s for n, (s, _) in stored.items()}, {n: t.shape for n, t in view.items()})
     _dcp_load({"model": view}, path, "model")
     _copy_back(pairs)

@@ -8,8 +8,9 @@ shards while DCP writes them (`_LazySavePlanner`), so memory holds about one ten
 model. Dtypes are kept as stored; MXFP4 experts (GPT-OSS) become bf16.
 
 `dcp_to_hf(ckpt, out)`: the reverse, from a converted or a training checkpoint, a group of
-tensors up to `max_shard_bytes` at a time: sharded safetensors, `model.safetensors.index.json`,
-config.json and tokenizer files, loadable by `transformers.AutoModelForCausalLM.from_pretrained`.
+tensors up to `max_shard_bytes` at a time (counted over the tensors written, one expert each):
+sharded safetensors, `model.safetensors.index.json`, config.json and tokenizer files, loadable by
+`transformers.AutoModelForCausalLM.from_pretrained`.
 
 Name mapping (ours = transformers' in-memory names):
 - everything but routed experts: same name;
@@ -29,6 +30,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -81,10 +83,18 @@ class SafetensorsFolder:
             shards = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
             if not shards:
                 raise CheckpointError(f"{folder} holds no .safetensors files")
-            self.files = {name: shard for shard in shards for name in self._handle(shard).keys()}
+            self.files = {}
+            for shard in shards:
+                for name in self._handle(shard).keys():
+                    if name in self.files:
+                        raise CheckpointError(f"{folder}: {name} is in both {self.files[name]} and {shard} and there "
+                                              "is no model.safetensors.index.json to say which is the model's; remove "
+                                              "the stale file")
+                    self.files[name] = shard
         missing = sorted({s for s in self.files.values() if not os.path.isfile(os.path.join(folder, s))})
         if missing:
             raise CheckpointError(f"{folder}: the index names shards that are not there: {missing}")
+        self.check_index()
 
     def _handle(self, shard: str):
         if shard not in self._handles:
@@ -111,6 +121,15 @@ class SafetensorsFolder:
     def read(self, name: str) -> torch.Tensor:
         return self._handle(self.files[name]).get_tensor(name)
 
+    def check_index(self) -> None:
+        """Every tensor the index names is in the shard it names."""
+        for shard in sorted(set(self.files.values())):
+            held = set(self._handle(shard).keys())
+            lacking = sorted(n for n, s in self.files.items() if s == shard and n not in held)
+            if lacking:
+                raise CheckpointError(f"{self.folder}: model.safetensors.index.json puts {len(lacking)} tensor(s) in "
+                                      f"{shard}, which lacks them ({', '.join(lacking[:5])}); re-download the folder")
+
 
 class _Source:
     """How one of our tensors is made from HF tensors: `names` read, `make()` builds it."""
@@ -128,7 +147,12 @@ def _source(name: str, want: tuple, hf: SafetensorsFolder, transposed: bool) -> 
     prefix, which = m.groups()
     if f"{name}_blocks" in hf and f"{name}_scales" in hf:  # GPT-OSS MXFP4
         blocks, scales = f"{name}_blocks", f"{name}_scales"
-        E, rows, G, _ = hf.shape(blocks)
+        shape_b, shape_s = hf.shape(blocks), hf.shape(scales)
+        if (len(shape_b) != 4 or shape_b[3] != 16 or shape_s != shape_b[:3]
+                or {hf.dtype(blocks), hf.dtype(scales)} != {torch.uint8}):
+            raise CheckpointError(f"{blocks} {list(shape_b)} / {scales} {list(shape_s)} are not MXFP4 (uint8 blocks "
+                                  "[experts, rows, groups, 16] and uint8 scales [experts, rows, groups])")
+        E, rows, G, _ = shape_b
 
         def dequantized():
             b, s = hf.read(blocks), hf.read(scales)
@@ -144,7 +168,10 @@ def _source(name: str, want: tuple, hf: SafetensorsFolder, transposed: bool) -> 
     names = [f"{prefix}.{e}.{p}.weight" for e in range(want[0]) for p in parts]
     if not all(n in hf for n in names):
         return None
-    first = hf.shape(names[0])
+    first, dtype = hf.shape(names[0]), hf.dtype(names[0])
+    odd = [f"{n} {list(hf.shape(n))} {hf.dtype(n)}" for n in names if hf.shape(n) != first or hf.dtype(n) != dtype]
+    if odd:
+        raise CheckpointError(f"experts differ from {names[0]} {list(first)} {dtype}: " + ", ".join(odd[:5]))
     shape = (want[0], first[0] * len(parts), first[1])
 
     def stacked():
@@ -198,7 +225,10 @@ def read_hf_config(folder: str) -> dict:
         raise CheckpointError(f"{path} is not valid JSON ({e}); re-download or repair it") from None
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{path} is not a JSON object; re-download or repair it")
-    quant = (cfg.get("quantization_config") or {}).get("quant_method")
+    quant = cfg.get("quantization_config") or {}
+    if not isinstance(quant, dict):
+        raise CheckpointError(f"{path}: quantization_config is {quant!r}, expected an object with a quant_method")
+    quant = quant.get("quant_method")
     if quant not in (None, "mxfp4"):
         raise CheckpointError(f"{path}: quantization {quant!r} is not supported; convert a bf16/fp32 checkpoint "
                               f"(MXFP4 GPT-OSS experts are dequantized on import)")
@@ -219,6 +249,10 @@ def plan_import(src: str, hf_config: dict) -> dict[str, _Source]:
             mismatched.append(f"{name}: checkpoint {list(s.shape)}, config.json {list(shape)}")
         sources[name] = s
     tied_head = hf_config.get("tie_word_embeddings") and "lm_head.weight" in hf
+    if tied_head and not torch.equal(hf.read("lm_head.weight"), hf.read("model.embed_tokens.weight")):
+        raise CheckpointError(f"{src}: config.json ties the head to the embedding (tie_word_embeddings) but the "
+                              "folder's lm_head.weight differs from model.embed_tokens.weight; set "
+                              "tie_word_embeddings to false in config.json to keep both")
     unexpected = sorted(n for n in hf.files if n not in used and not _ignored(n, hf_config)
                         and not (tied_head and n == "lm_head.weight"))
     problems = []
@@ -247,12 +281,12 @@ class _LazySavePlanner(DefaultSavePlanner):
 
 
 def _fresh_output(out: str) -> str:
+    """A new temporary folder beside `out` (its own name, so two conversions never share one)."""
     if os.path.exists(out):
         raise CheckpointError(f"{out} already exists; choose a new output directory (nothing was written)")
-    tmp = os.path.join(os.path.dirname(os.path.abspath(out)), f".partial-{os.path.basename(os.path.abspath(out))}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    return tmp
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f".partial-{os.path.basename(os.path.abspath(out))}-", dir=parent)
 
 
 def _extra_files(src: str, tokenizer: str | None) -> list[str]:
@@ -280,14 +314,18 @@ def hf_to_dcp(src: str, out: str, tokenizer: str | None = None) -> dict:
     extra = _extra_files(src, tokenizer)
     sources = plan_import(src, hf_config)
     tmp = _fresh_output(out)
-    state = {"model": {n: torch.empty(s.shape, dtype=s.dtype, device="meta") for n, s in sources.items()}}
-    with quiet():
-        dcp.save(state, checkpoint_id=tmp, planner=_LazySavePlanner(sources))
-    hf_config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(hf_config, f, indent=2)
-    copied = _copy_files(extra, tmp)
-    finalize_dir(tmp, out, {"source": os.path.abspath(src), "tensors": len(sources)})
+    try:
+        state = {"model": {n: torch.empty(s.shape, dtype=s.dtype, device="meta") for n, s in sources.items()}}
+        with quiet():
+            dcp.save(state, checkpoint_id=tmp, planner=_LazySavePlanner(sources))
+        hf_config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(hf_config, f, indent=2)
+        copied = _copy_files(extra, tmp)
+        finalize_dir(tmp, out, {"source": os.path.abspath(src), "tensors": len(sources)})
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return {"tensors": len(sources), "tokenizer_files": copied}
 
 
@@ -300,8 +338,13 @@ def check_against_config(ckpt: str, hf_config: dict) -> dict[str, tuple[tuple, t
     have = stored_tensors(ckpt)
     if hf_config.get("tie_word_embeddings"):
         have.pop("lm_head.weight", None)
-    check_tensors(ckpt, {n: s for n, (s, _) in have.items()},
-                  {n: s for n, (s, _) in expected_tensors(hf_config).items()})
+    expected = expected_tensors(hf_config)
+    biases = sorted(n for n in have if n.endswith(".e_score_correction_bias") and n not in expected)
+    if biases:
+        raise CheckpointError(f"{ckpt}: its routers carry e_score_correction_bias ({biases[0]}, ...: trained with "
+                              f"moe.aux_free=true), which {hf_config.get('model_type')} in transformers has no place "
+                              "for: the exported model would choose other experts, so it is not exported")
+    check_tensors(ckpt, {n: s for n, (s, _) in have.items()}, {n: s for n, (s, _) in expected.items()})
     return have
 
 
@@ -336,29 +379,47 @@ def dcp_to_hf(ckpt: str, out: str, hf_config: dict | None = None, tokenizer: str
     layout = {n: transposed for n, (_, transposed) in expected_tensors(hf_config).items()}
     names = list(layout)
     out_dtype = {n: dtype if dtype is not None and have[n][1].is_floating_point else have[n][1] for n in names}
-    shards, size = [[]], 0
+    shards, size = [[]], 0  # planned over the tensors written (one expert each), so no file outgrows the limit
     for n in names:
-        nbytes = torch.Size(have[n][0]).numel() * out_dtype[n].itemsize
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(n)
-        size += nbytes
+        meta = torch.empty(have[n][0], dtype=out_dtype[n], device="meta")
+        for hub, t in _hub_tensors(n, meta, layout[n]).items():
+            nbytes = t.numel() * t.element_size()
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append((hub, n))
+            size += nbytes
     tmp = _fresh_output(out)
-    weight_map, total = {}, 0
-    for i, group in enumerate(shards):
-        state = {"model": {n: torch.empty(have[n][0], dtype=have[n][1]) for n in group}}
-        with quiet():
-            dcp.load(state, checkpoint_id=ckpt)
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {}
-        for n in group:
-            for hub, t in _hub_tensors(n, state["model"][n].to(out_dtype[n]), layout[n]).items():
-                tensors[hub] = t.contiguous()
+    try:
+        weight_map, total, loaded = {}, 0, {}
+        for i, group in enumerate(shards):
+            needed = [n for n in dict.fromkeys(n for _, n in group) if n not in loaded]
+            state = {"model": {n: torch.empty(have[n][0], dtype=have[n][1]) for n in needed}}
+            if needed:
+                with quiet():
+                    dcp.load(state, checkpoint_id=ckpt)
+            loaded = {n: loaded[n] for n in loaded if n == group[0][1]}  # a tensor split over files stays
+            loaded.update({n: _hub_tensors(n, t.to(out_dtype[n]), layout[n]) for n, t in state["model"].items()})
+            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            tensors = {hub: loaded[n][hub].contiguous() for hub, n in group}
+            for hub, t in tensors.items():
                 weight_map[hub] = file
                 total += t.numel() * t.element_size()
-        save_file(tensors, os.path.join(tmp, file), metadata={"format": "pt"})
-        del state, tensors
+            save_file(tensors, os.path.join(tmp, file), metadata={"format": "pt"})
+            del state, tensors
+        _write_hf_folder_rest(tmp, weight_map, total, hf_config, out_dtype)
+        copied = _copy_files(extra, tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if os.path.exists(out):
+        raise CheckpointError(f"{out} appeared while converting; the result is left in {tmp}")
+    os.replace(tmp, out)
+    return {"shards": len(shards), "tensors": len(weight_map), "tokenizer_files": copied}
+
+
+def _write_hf_folder_rest(tmp: str, weight_map: dict, total: int, hf_config: dict, out_dtype: dict) -> None:
+    """The index and config.json of a Hugging Face folder."""
     with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
     config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
@@ -368,6 +429,3 @@ def dcp_to_hf(ckpt: str, out: str, hf_config: dict | None = None, tokenizer: str
         config["torch_dtype"] = config["dtype"] = str(stored.pop()).removeprefix("torch.")
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    copied = _copy_files(extra, tmp)
-    os.replace(tmp, out)
-    return {"shards": len(shards), "tensors": len(weight_map), "tokenizer_files": copied}
