@@ -88,7 +88,8 @@ def test_model_matches_transformers(case):
                                         (dict(GPT_OSS, attention_dropout=0.5), "attention_dropout"),
                                         (dict(GPT_OSS, sliding_window=0), "sliding_window"),
                                         (dict(GPT_OSS, sliding_window=-3), "sliding_window"),
-                                        (dict(GPT_OSS, sliding_window=2.5), "sliding_window")])
+                                        (dict(GPT_OSS, sliding_window=2.5), "sliding_window"),
+                                        (dict(QWEN3, rope_scaling={"type": "yarn"}), "original_max_position_embeddings")])
 def test_fields_transformers_reads_otherwise_are_refused(cfg, field):
     """A field we would build differently from transformers is refused, never silently dropped."""
     with pytest.raises(ValueError, match=field):

@@ -37,6 +37,9 @@ def mscale(scale: float, m: float = 1.0) -> float:
 def _yarn_factor(params: dict, max_positions: int | None) -> float:
     factor = params.get("factor")
     if factor is None:
+        if not max_positions or not params.get("original_max_position_embeddings"):
+            raise ValueError("YaRN rope scaling needs a factor, or max_position_embeddings and "
+                             "original_max_position_embeddings to derive it from")
         factor = max_positions / params["original_max_position_embeddings"]
     return float(factor)
 

@@ -28,15 +28,14 @@ DEFAULTS = {
                         v_head_dim=128, n_shared_experts=2, first_k_dense_replace=0, moe_layer_freq=1,
                         n_group=None, topk_group=None, topk_method="greedy", scoring_func="softmax",
                         norm_topk_prob=False, routed_scaling_factor=1.0, attention_bias=False, mlp_bias=False,
-                        rope_interleave=True),
+                        rope_interleave=True, max_position_embeddings=2048),
     "deepseek_v3": dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
                         v_head_dim=128, n_shared_experts=1, first_k_dense_replace=3, moe_layer_freq=1,
                         n_group=8, topk_group=4, topk_method="noaux_tc", scoring_func="sigmoid",
                         norm_topk_prob=True, routed_scaling_factor=2.5, attention_bias=False, mlp_bias=False,
-                        rope_interleave=True),
-}
-COMMON = dict(tie_word_embeddings=False, rms_norm_eps=1e-6, initializer_range=0.02, hidden_act="silu",
-              max_position_embeddings=4096)
+                        rope_interleave=True, max_position_embeddings=4096),
+}  # as transformers' DeepseekV2Config / DeepseekV3Config
+COMMON = dict(tie_word_embeddings=False, rms_norm_eps=1e-6, initializer_range=0.02, hidden_act="silu")
 REQUIRED = ["vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
             "num_attention_heads", "n_routed_experts", "num_experts_per_tok"]
 
