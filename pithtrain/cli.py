@@ -125,6 +125,8 @@ def cmd_memory(args) -> int:
     from pithtrain.train.loop import autocast_dtype
 
     cfg = load_config(args.config, args.overrides)
+    if args.world < 1:
+        raise ConfigError(f"--world {args.world}: give the number of ranks, 1 or more")
     layout = plan_layout(cfg, args.world)
     device_type = "cpu" if cfg.train.device == "cpu" else "cuda"  # train.device=auto: planned for a GPU
     autocast = autocast_dtype(cfg, device_type) is not None
@@ -142,6 +144,10 @@ def cmd_bench(bench_args: list[str]) -> int:
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "single_gpu.py")
     if not os.path.isfile(script):
         raise ConfigError(f"{script} not found: `pithtrain bench` runs from a source checkout of PithTrain")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError("`pithtrain bench` times training steps on a CUDA GPU, and torch sees none here")
     sys.argv = [script] + bench_args
     runpy.run_path(script, run_name="__main__")
     return 0
@@ -191,7 +197,11 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # everything after it belongs to the benchmark's own parser
-        return cmd_bench(argv[1:])
+        try:
+            return cmd_bench(argv[1:])
+        except ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
     args, extra = parser.parse_known_args(argv)
     if extra:  # overrides after an option (`memory run.toml --world 2 data.seq_len=16`) are overrides still
         if not hasattr(args, "overrides") or any(x.startswith("-") or "=" not in x for x in extra):

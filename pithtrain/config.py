@@ -314,6 +314,11 @@ def validate(cfg: RunConfig) -> None:
                           "min_lr is the end of a cosine or linear decay)")
     if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1) or o.eps <= 0:
         raise ConfigError("optim.beta1 and optim.beta2 must lie in [0, 1) and optim.eps must be > 0")
+    if not cfg.log.run_dir:
+        raise ConfigError("log.run_dir is empty; name the folder the run's logs and checkpoints go to")
+    for key, path in (("log.run_dir", cfg.log.run_dir), ("checkpoint.dir", cfg.checkpoint.dir)):
+        if path and os.path.exists(path) and not os.path.isdir(path):
+            raise ConfigError(f"{key} = {path!r} is a file; name a folder (new or one of this run)")
     res = cfg.checkpoint.resume
     if res not in ("none", "auto") and not os.path.isdir(res):
         raise ConfigError(f"checkpoint.resume = {res!r}: use 'none', 'auto' or an existing checkpoint directory")

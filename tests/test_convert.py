@@ -331,6 +331,11 @@ def test_export_shards_stay_under_the_limit_and_dcp_options_belong_to_dcp_to_hf(
     largest = max(t.numel() * t.element_size() for t in read_folder(tmp_path / "out").values())
     assert info["shards"] == len(sizes) > 2 and max(sizes) <= max(8192, largest) + 4096  # + the file's header
     assert read_folder(tmp_path / "out").keys() == read_folder(src).keys()
+    mask = os.umask(0)
+    os.umask(mask)
+    for made in (tmp_path / "out", tmp_path / "dcp"):  # as a plain mkdir / open would make them, not mkdtemp's 0700
+        assert os.stat(made).st_mode & 0o777 == 0o777 & ~mask
+        assert all(os.stat(made / n).st_mode & 0o777 == 0o666 & ~mask for n in os.listdir(made))
 
     free = build_model(dict(CASES["qwen3"]), BalanceOptions(aux_free=True))
     checkpoint.load_weights(str(tmp_path / "dcp"), free)

@@ -331,8 +331,9 @@ def test_out_of_memory_is_reported_with_a_breakdown(tiny_corpus, tmp_path, monke
 
 
 def test_a_corpus_from_another_tokenizer_is_refused(tiny_corpus, tmp_path):
-    """Resuming on a corpus built with another tokenizer, or starting from weights that come with a
-    different tokenizer, stops before training with both named."""
+    """Resuming on a corpus built with another tokenizer, starting from a training checkpoint on one,
+    or starting from weights that come with a different tokenizer, stops before training with both
+    named."""
     import shutil
 
     from pithtrain.train.corpus import build_corpus, demo_texts
@@ -350,6 +351,9 @@ def test_a_corpus_from_another_tokenizer_is_refused(tiny_corpus, tmp_path):
         train(load_config(toml, ["train.steps=3", "optim.warmup_steps=1", "checkpoint.resume=auto",
                                  f"data.corpus={other}"]))
     weights = tmp_path / "run" / "checkpoints" / "step-00000002"
+    with pytest.raises(ConfigError, match="was trained on a corpus with another tokenizer"):  # its trainer.json says so
+        train(load_config(toml, ["train.steps=2", "optim.warmup_steps=1", f"checkpoint.init_from={weights}",
+                                 f"log.run_dir={tmp_path}/fresh", f"data.corpus={other}"]))
     shutil.copy(other / "tokenizer.json", weights / "tokenizer.json")  # as `convert` stores a model's tokenizer
     with pytest.raises(ConfigError, match="comes with a tokenizer"):
         train(load_config(toml, ["train.steps=2", "optim.warmup_steps=1", f"checkpoint.init_from={weights}",
@@ -384,6 +388,8 @@ def test_resume_refuses_another_seq_len_or_model_and_notes_another_global_batch(
     train(load_config(toml, ["train.steps=3", "optim.warmup_steps=1", "checkpoint.resume=auto",
                              "data.global_batch_size=8"]))
     assert "data.global_batch_size changed from 4 to 8" in capsys.readouterr().out
+    train(load_config(toml, ["train.steps=1", "optim.warmup_steps=1", "data.val_batches=1000", f"log.run_dir={tmp_path}/v"]))
+    assert "data.val_batches = 1000, but the validation split holds" in capsys.readouterr().out
 
 
 def test_resume_keeps_the_spike_window_and_refuses_a_finished_run(tiny_corpus, tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from conftest import losses, run_cli, write_run
 from pithtrain.config import ConfigError, load_config
@@ -87,6 +88,36 @@ def test_fresh_run_refuses_an_existing_run_dir(tiny_corpus, tmp_path):
         train(load_config(toml, ["train.steps=2", "optim.warmup_steps=1"]))
     assert open(tmp_path / "run" / "metrics.jsonl").read() == before
     assert checkpoint.latest(str(tmp_path / "run" / "checkpoints")).endswith("step-00000002")
+    with pytest.raises(ConfigError, match=r"checkpoint.dir .*run/checkpoints already holds a run .* another checkpoint.dir"):
+        train(load_config(toml, ["train.steps=2", "optim.warmup_steps=1", f"log.run_dir={tmp_path}/new",
+                                 f"checkpoint.dir={tmp_path}/run/checkpoints"]))
+    # metrics but no checkpoint: resume=auto has nothing to continue and must not write over them either
+    nock = ["train.steps=2", "optim.warmup_steps=1", f"log.run_dir={tmp_path}/nock", "checkpoint.every=0",
+            "checkpoint.save_final=false"]
+    train(load_config(toml, nock))
+    before = open(tmp_path / "nock" / "metrics.jsonl").read()
+    for resume in ("none", "auto"):
+        with pytest.raises(ConfigError, match="metrics.jsonl\) with no checkpoint to continue from"):
+            train(load_config(toml, nock + [f"checkpoint.resume={resume}"]))
+    assert open(tmp_path / "nock" / "metrics.jsonl").read() == before
+
+
+def test_paths_and_sizes_that_cannot_work_are_config_errors(tiny_corpus, tmp_path):
+    """An empty log.run_dir, a log.run_dir or checkpoint.dir that is a file, `memory --world 0`,
+    `bench` without CUDA and a checkpoint path that does not exist: each an error that says so."""
+    toml = write_run(tmp_path, tiny_corpus)
+    for override, message in (("log.run_dir=", "log.run_dir is empty"),
+                              (f"log.run_dir={toml}", "log.run_dir = .* is a file"),
+                              (f"checkpoint.dir={toml}", "checkpoint.dir = .* is a file")):
+        with pytest.raises(ConfigError, match=message):
+            load_config(toml, [override])
+    proc = run_cli("memory", toml, "--world", "0", check=False)
+    assert proc.returncode == 2 and "--world 0" in proc.stderr and "Traceback" not in proc.stderr
+    if not torch.cuda.is_available():
+        proc = run_cli("bench", check=False)
+        assert proc.returncode == 2 and "CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr
+    with pytest.raises(checkpoint.CheckpointError, match="does not exist"):
+        checkpoint.verify(str(tmp_path / "nowhere"))
 
 
 def test_cli_reports_config_errors(tiny_corpus, tmp_path):

@@ -223,6 +223,8 @@ def verify(path: str, checksums: bool = False) -> dict:
     """Check a checkpoint directory against its completion marker (every file present with its
     size; with `checksums` also its CRC-32, which reads every byte); return the marker."""
     marker = os.path.join(path, MARKER)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path} does not exist (or is not a folder)")
     if not os.path.isfile(marker):
         raise CheckpointError(f"checkpoint {path} is incomplete: {MARKER} is missing{_what_it_is(path)}")
     try:

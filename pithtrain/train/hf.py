@@ -280,6 +280,16 @@ class _LazySavePlanner(DefaultSavePlanner):
         return self.sources[write_item.index.fqn.removeprefix("model.")].make()
 
 
+def _as_umask_allows(folder: str) -> None:
+    """Give `folder` and its files the permissions a plain mkdir / open would (mkdtemp's are 0700)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(folder, 0o777 & ~mask)
+    for name in os.listdir(folder):
+        if os.path.isfile(os.path.join(folder, name)):
+            os.chmod(os.path.join(folder, name), 0o666 & ~mask)
+
+
 def _fresh_output(out: str) -> str:
     """A new temporary folder beside `out` (its own name, so two conversions never share one)."""
     if os.path.exists(out):
@@ -322,6 +332,7 @@ def hf_to_dcp(src: str, out: str, tokenizer: str | None = None) -> dict:
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf_config, f, indent=2)
         copied = _copy_files(extra, tmp)
+        _as_umask_allows(tmp)
         finalize_dir(tmp, out, {"source": os.path.abspath(src), "tensors": len(sources)})
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -409,6 +420,7 @@ def dcp_to_hf(ckpt: str, out: str, hf_config: dict | None = None, tokenizer: str
             del state, tensors
         _write_hf_folder_rest(tmp, weight_map, total, hf_config, out_dtype)
         copied = _copy_files(extra, tmp)
+        _as_umask_allows(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

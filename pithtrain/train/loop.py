@@ -227,6 +227,14 @@ def train_step(model: CausalLM, optimizer, micro_batches: list, grad_clip: float
 def check_tokenizer_matches(init_from: str, ds: PackedDataset, corpus_tokenizer: str | None) -> None:
     """Weights that come with a tokenizer (a converted HF checkpoint) must meet a corpus made with it."""
     theirs = os.path.join(init_from, "tokenizer.json")
+    trainer = os.path.join(init_from, "trainer.json")
+    if corpus_tokenizer is not None and not os.path.isfile(theirs) and os.path.isfile(trainer):  # a training checkpoint
+        with open(trainer) as f:
+            saved = json.load(f).get("tokenizer")
+        if saved not in (None, corpus_tokenizer) and saved != vocabulary_fingerprint(ds.tokenizer_path):
+            raise ConfigError(f"checkpoint.init_from = {init_from} was trained on a corpus with another tokenizer "
+                              f"(fingerprint {saved}) than the one of data.corpus ({ds.tokenizer_path}): its token ids "
+                              "would meet other embeddings; use a corpus built with the checkpoint's tokenizer")
     if corpus_tokenizer is None or not os.path.isfile(theirs):
         return
     if tokenizer_fingerprint(theirs) != corpus_tokenizer:
@@ -239,12 +247,15 @@ def refuse_to_overwrite(run_dir: str, ckpt_dir: str) -> None:
     """A fresh run (resume = none) must not write over the metrics or checkpoints of another."""
     found = checkpoint.complete_checkpoints(ckpt_dir)
     metrics = os.path.join(run_dir, "metrics.jsonl")
-    if found or (os.path.exists(metrics) and os.path.getsize(metrics)):  # empty: a run that failed before step 1
-        what = f"checkpoints up to step {found[-1][0]}" if found else "metrics.jsonl"
-        raise ConfigError(
-            f"log.run_dir {run_dir} already holds a run ({what}); continue it with checkpoint.resume=auto "
-            f"or start a new one in another log.run_dir"
-        )
+    if found:
+        where = "log.run_dir" if os.path.abspath(ckpt_dir).startswith(os.path.abspath(run_dir) + os.sep) else \
+            "checkpoint.dir"
+        raise ConfigError(f"{where} {run_dir if where == 'log.run_dir' else ckpt_dir} already holds a run (checkpoints "
+                          f"up to step {found[-1][0]}); continue it with checkpoint.resume=auto or start a new one "
+                          f"in another {where}")
+    if os.path.exists(metrics) and os.path.getsize(metrics):  # empty: a run that failed before step 1
+        raise ConfigError(f"log.run_dir {run_dir} already holds a run (metrics.jsonl) with no checkpoint to continue "
+                          "from; start a new one in another log.run_dir (or move that one aside)")
 
 
 def check_same_model(path: str, hf: dict) -> None:
@@ -259,7 +270,8 @@ def check_same_model(path: str, hf: dict) -> None:
     if diff:
         raise ConfigError(f"checkpoint {path} was saved with another model config ({'; '.join(diff[:8])}"
                           f"{'; ...' if len(diff) > 8 else ''}): resume with the model settings it was saved with "
-                          "(its config.json), or start a new run from its weights with checkpoint.init_from")
+                          "(its config.json), or, where its tensors fit the new config, start a new run from its weights "
+                          "with checkpoint.init_from")
 
 
 def save_run_config(cfg: RunConfig) -> None:
@@ -288,6 +300,9 @@ def train(cfg: RunConfig) -> dict:
                      f"({d.global_batch_size}): val_loss covers the first {sum(map(len, val_idx))}, a number that "
                      "depends on the micro-batch size and rank count; rebuild the corpus with a larger --val-fraction "
                      "to compare val_loss across layouts")
+    elif len(val_ds) // d.global_batch_size < d.val_batches:
+        notes.append(f"data.val_batches = {d.val_batches}, but the validation split holds "
+                     f"{len(val_ds) // d.global_batch_size} global batches: val_loss uses those")
     sampler = GlobalBatchSampler(len(train_ds), d.global_batch_size, cfg.train.seed, d.seq_len, train_ds.n_tokens)
     launched = "TORCHELASTIC_RUN_ID" in os.environ or layout.world > 1  # under torchrun: the sharded path
     mesh = init_distributed(layout, device.type, cfg.parallel.timeout_s) if launched else None
@@ -302,8 +317,8 @@ def train(cfg: RunConfig) -> dict:
 
     ckpt_dir, start = cfg.checkpoint_dir, 0
     resume = cfg.checkpoint.resume
-    if resume == "none":
-        refuse_to_overwrite(cfg.log.run_dir, ckpt_dir)
+    if resume == "none" or (resume == "auto" and not checkpoint.step_dirs(ckpt_dir)):
+        refuse_to_overwrite(cfg.log.run_dir, ckpt_dir)  # auto with nothing to resume starts afresh: the same rule
     if mesh is not None:
         dist.barrier()  # every rank has looked before rank 0 writes
     if rank0:
@@ -325,7 +340,7 @@ def train(cfg: RunConfig) -> dict:
         if saved != corpus_tokenizer and not (has_tok and saved == vocabulary_fingerprint(train_ds.tokenizer_path)):
             raise ConfigError(f"checkpoint {path} was trained on a corpus with another tokenizer (fingerprint "
                               f"{state['tokenizer']}) than data.corpus = {d.corpus} ({corpus_tokenizer}); resume "
-                              "with the corpus it was trained on, or start from its weights with checkpoint.init_from")
+                              "with the corpus it was trained on")
         start = state["step"]
         sampler.load_state_dict(state["data"])
         if state["data"]["global_batch"] != d.global_batch_size:
