@@ -44,11 +44,13 @@ def cmd_build_corpus(args) -> int:
 
 
 def parse_size(text: str) -> int:
-    """'5GB', '500MB', '1.5GB' or a plain byte count -> bytes (positive)."""
-    units = {"KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40}
+    """'5GB', '500MB', '1.5GiB' or a plain byte count -> bytes (positive); GB = 10^9 and GiB = 2^30,
+    as transformers' `save_pretrained(max_shard_size=...)` reads them."""
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9,
+             "TB": 10**12}
     t = text.strip().upper()
-    factor = next((f for u, f in units.items() if t.endswith(u)), 1)
-    number = t[:-2] if factor > 1 else t
+    unit = next((u for u in units if t.endswith(u)), "")
+    factor, number = units.get(unit, 1), t[:len(t) - len(unit)]
     try:
         size = int(float(number) * factor) if factor > 1 else int(number)
     except ValueError:
@@ -176,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", help="dcp-to-hf: the model's config.json (default: the one in the checkpoint)")
     p.add_argument("--dtype", choices=["keep", "bf16", "fp32"],
                    help="dcp-to-hf: dtype of the floating tensors written (default: keep, as stored)")
-    p.add_argument("--max-shard-size", help="dcp-to-hf: bytes per safetensors shard (default 5GB)")
+    p.add_argument("--max-shard-size", help="dcp-to-hf: bytes per safetensors shard, e.g. 500MB or 2GiB "
+                   "(default 5GB; GB = 10^9 bytes, as transformers reads it)")
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("demo", help="build the demo corpus and train the tiny MoE demo model on it")

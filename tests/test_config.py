@@ -64,6 +64,13 @@ def test_errors_name_the_key(toml, body, overrides, message):
     assert message in str(e.value)
 
 
+def test_a_key_outside_any_table_is_named(tmp_path):
+    p = tmp_path / "run.toml"
+    p.write_text("steps = 3\n[train]\nseed = 1\n")
+    with pytest.raises(ConfigError, match=r"steps = 3 stands outside any \[section\] table; move it under"):
+        load_config(str(p))
+
+
 def test_missing_model_config(tmp_path):
     p = tmp_path / "run.toml"
     p.write_text("[train]\nsteps = 1\n")

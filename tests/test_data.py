@@ -227,6 +227,9 @@ def test_input_and_output_errors(tmp_path, tok_path):
     good = write_jsonl(tmp_path / "good.jsonl", DOCS)
     with pytest.raises(C.CorpusError, match="nothing_here"):
         C.build_corpus([str(tmp_path / "nothing_here*.jsonl")], str(tmp_path / "c"), tok_path)
+    for workers in (0, -1):
+        with pytest.raises(C.CorpusError, match=f"workers = {workers}: give 1 or more"):
+            C.build_corpus([good], str(tmp_path / "c"), tok_path, workers=workers)
     (tmp_path / "e.txt").write_bytes(b"")
     with pytest.raises(C.CorpusError, match="no documents"):
         C.build_corpus([str(tmp_path / "e.txt")], str(tmp_path / "c"), tok_path, workers=1)

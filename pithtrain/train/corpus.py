@@ -384,6 +384,8 @@ def build_corpus(inputs: list[str], out_dir: str, tokenizer: str | None, *, text
     """
     if not 0.0 <= val_fraction < 1.0:
         raise CorpusError(f"val_fraction {val_fraction} must be in [0, 1)")
+    if workers < 1:
+        raise CorpusError(f"workers = {workers}: give 1 or more tokenizer processes (--workers)")
     out_dir = os.path.abspath(out_dir)  # "." has no name to make a sibling of; messages say where
     existing = os.listdir(out_dir) if os.path.isdir(out_dir) else None
     if os.path.exists(out_dir) and existing is None:

@@ -375,7 +375,7 @@ def _hub_tensors(name: str, t: torch.Tensor, transposed: bool) -> dict[str, torc
 
 
 def dcp_to_hf(ckpt: str, out: str, hf_config: dict | None = None, tokenizer: str | None = None,
-              dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30) -> dict:
+              dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 10**9) -> dict:
     """Convert DCP checkpoint `ckpt` to a Hugging Face folder `out` (which must not exist).
 
     `hf_config` defaults to `ckpt/config.json`; `dtype` (default: as stored) casts floating tensors.
