@@ -200,22 +200,20 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # everything after it belongs to the benchmark's own parser
-        try:
-            return cmd_bench(argv[1:])
-        except ConfigError as e:
-            print(f"config error: {e}", file=sys.stderr)
-            return 2
-    args, extra = parser.parse_known_args(argv)
-    if extra:  # overrides after an option (`memory run.toml --world 2 data.seq_len=16`) are overrides still
-        if not hasattr(args, "overrides") or any(x.startswith("-") or "=" not in x for x in extra):
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        args.overrides += extra
+        command = lambda: cmd_bench(argv[1:])  # noqa: E731
+    else:
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # overrides after an option (`memory run.toml --world 2 data.seq_len=16`) are overrides still
+            if not hasattr(args, "overrides") or any(x.startswith("-") or "=" not in x for x in extra):
+                parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            args.overrides += extra
+        command = lambda: args.func(args)  # noqa: E731
     from pithtrain.train.checkpoint import CheckpointError
     from pithtrain.train.corpus import CorpusError
     from pithtrain.train.guard import TrainingHalted
 
     try:
-        return args.func(args)
+        return command()
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

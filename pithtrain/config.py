@@ -214,10 +214,10 @@ def load_config(path: str | None, overrides: list[str] = (), base: dict | None =
     if base:
         raw = {**{k: dict(v) for k, v in base.items()}, **raw}
     for section, table in raw.items():
-        if not isinstance(table, dict) and section not in SECTIONS:
-            raise ConfigError(f"{section} = {table!r} stands outside any [section] table; move it under its "
-                              f"section (one of {SECTIONS})")
         if section not in SECTIONS:
+            if not isinstance(table, dict):
+                raise ConfigError(f"{section} = {table!r} stands outside any [section] table; move it under its "
+                                  f"section (one of {SECTIONS})")
             raise ConfigError(f"unknown section [{section}]; valid sections: {SECTIONS}")
         if not isinstance(table, dict):
             raise ConfigError(f"[{section}] must be a table of key = value pairs")

@@ -207,8 +207,6 @@ def finalize_dir(tmp: str, final: str, info: dict) -> None:
 
 def _what_it_is(path: str) -> str:
     """For a folder without a marker: what it looks like and what to name instead."""
-    if not os.path.isdir(path):
-        return ""
     names = os.listdir(path)
     if any(STEP_DIR.match(n) for n in names) or os.path.isdir(os.path.join(path, "checkpoints")):
         return ("; it holds checkpoints rather than being one: name one of its step-N folders, or set "
@@ -282,18 +280,6 @@ def newest_valid(root: str) -> tuple[str | None, list[str]]:
         except CheckpointError as e:
             refused.append(str(e))
     return found, refused
-
-
-def stored_config(path: str) -> dict | None:
-    """The model config.json stored with checkpoint `path` (None for checkpoints without one)."""
-    p = os.path.join(path, "config.json")
-    if not os.path.isfile(p):
-        return None
-    try:
-        with open(p, "rb") as f:
-            return json.loads(f.read())
-    except ValueError as e:
-        raise CheckpointError(f"checkpoint {path}: config.json is not valid JSON ({e})") from None
 
 
 def step_dirs(root: str) -> list[tuple[int, str]]:

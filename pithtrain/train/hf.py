@@ -79,6 +79,7 @@ class SafetensorsFolder:
             except (ValueError, KeyError, TypeError) as e:  # bad JSON, no weight_map
                 raise CheckpointError(f"{index} is not a valid safetensors index (a JSON object with a "
                                       f"'weight_map'): {type(e).__name__}: {e}; re-download or repair it") from None
+            self._check_index()
         else:
             shards = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
             if not shards:
@@ -91,10 +92,6 @@ class SafetensorsFolder:
                                               "is no model.safetensors.index.json to say which is the model's; remove "
                                               "the stale file")
                     self.files[name] = shard
-        missing = sorted({s for s in self.files.values() if not os.path.isfile(os.path.join(folder, s))})
-        if missing:
-            raise CheckpointError(f"{folder}: the index names shards that are not there: {missing}")
-        self.check_index()
 
     def _handle(self, shard: str):
         if shard not in self._handles:
@@ -121,8 +118,11 @@ class SafetensorsFolder:
     def read(self, name: str) -> torch.Tensor:
         return self._handle(self.files[name]).get_tensor(name)
 
-    def check_index(self) -> None:
-        """Every tensor the index names is in the shard it names."""
+    def _check_index(self) -> None:
+        """Every tensor the index names is in the shard it names (the shards named exist)."""
+        missing = sorted({s for s in self.files.values() if not os.path.isfile(os.path.join(self.folder, s))})
+        if missing:
+            raise CheckpointError(f"{self.folder}: the index names shards that are not there: {missing}")
         for shard in sorted(set(self.files.values())):
             held = set(self._handle(shard).keys())
             lacking = sorted(n for n, s in self.files.items() if s == shard and n not in held)

@@ -33,6 +33,7 @@ from pithtrain.train.guard import (Preemption, StepGuard, TrainingHalted, collec
                                    silent_ranks, inject_failure, injected, out_of_memory_report)
 from pithtrain.train.corpus import tokenizer_fingerprint, vocabulary_fingerprint
 from pithtrain.train.data import GlobalBatchSampler, PackedDataset, batch_tensors, document_ids, validation_batches
+from pithtrain.train.hf import read_hf_config
 from pithtrain.train.log import QuietLog, RunLog, peak_memory_gb, plot_losses
 from pithtrain.train.optim import build_optimizer, clip_grad_norm, lr_at, set_hyperparameters, set_lr
 
@@ -224,14 +225,22 @@ def train_step(model: CausalLM, optimizer, micro_batches: list, grad_clip: float
     return out
 
 
+def same_tokenizer(saved: str | None, corpus_tokenizer: str | None, ds: PackedDataset) -> bool:
+    """Whether a checkpoint's stored tokenizer fingerprint is the corpus's (checkpoints of earlier
+    versions hold the vocabulary-only fingerprint, which counts too)."""
+    return saved == corpus_tokenizer or (corpus_tokenizer is not None
+                                         and saved == vocabulary_fingerprint(ds.tokenizer_path))
+
+
 def check_tokenizer_matches(init_from: str, ds: PackedDataset, corpus_tokenizer: str | None) -> None:
-    """Weights that come with a tokenizer (a converted HF checkpoint) must meet a corpus made with it."""
+    """Weights must meet a corpus made with their tokenizer: the one a converted HF checkpoint comes
+    with, or the one a training checkpoint was trained with (its fingerprint in trainer.json)."""
     theirs = os.path.join(init_from, "tokenizer.json")
     trainer = os.path.join(init_from, "trainer.json")
-    if corpus_tokenizer is not None and not os.path.isfile(theirs) and os.path.isfile(trainer):  # a training checkpoint
+    if corpus_tokenizer is not None and not os.path.isfile(theirs) and os.path.isfile(trainer):  # training checkpoint
         with open(trainer) as f:
-            saved = json.load(f).get("tokenizer")
-        if saved not in (None, corpus_tokenizer) and saved != vocabulary_fingerprint(ds.tokenizer_path):
+            saved = json.load(f).get("tokenizer") or corpus_tokenizer
+        if not same_tokenizer(saved, corpus_tokenizer, ds):
             raise ConfigError(f"checkpoint.init_from = {init_from} was trained on a corpus with another tokenizer "
                               f"(fingerprint {saved}) than the one of data.corpus ({ds.tokenizer_path}): its token ids "
                               "would meet other embeddings; use a corpus built with the checkpoint's tokenizer")
@@ -248,11 +257,10 @@ def refuse_to_overwrite(run_dir: str, ckpt_dir: str) -> None:
     found = checkpoint.complete_checkpoints(ckpt_dir)
     metrics = os.path.join(run_dir, "metrics.jsonl")
     if found:
-        where = "log.run_dir" if os.path.abspath(ckpt_dir).startswith(os.path.abspath(run_dir) + os.sep) else \
-            "checkpoint.dir"
-        raise ConfigError(f"{where} {run_dir if where == 'log.run_dir' else ckpt_dir} already holds a run (checkpoints "
-                          f"up to step {found[-1][0]}); continue it with checkpoint.resume=auto or start a new one "
-                          f"in another {where}")
+        inside = os.path.abspath(ckpt_dir).startswith(os.path.abspath(run_dir) + os.sep)
+        key, folder = ("log.run_dir", run_dir) if inside else ("checkpoint.dir", ckpt_dir)
+        raise ConfigError(f"{key} {folder} already holds a run (checkpoints up to step {found[-1][0]}); continue it "
+                          f"with checkpoint.resume=auto or start a new one in another {key}")
     if os.path.exists(metrics) and os.path.getsize(metrics):  # empty: a run that failed before step 1
         raise ConfigError(f"log.run_dir {run_dir} already holds a run (metrics.jsonl) with no checkpoint to continue "
                           "from; start a new one in another log.run_dir (or move that one aside)")
@@ -261,9 +269,9 @@ def refuse_to_overwrite(run_dir: str, ckpt_dir: str) -> None:
 def check_same_model(path: str, hf: dict) -> None:
     """A resume continues the model it was saved with: any field of the stored config.json that
     differs (top-k, rope_theta, eps, ... change the maths without changing a tensor shape) is an error."""
-    saved, now = checkpoint.stored_config(path), json.loads(json.dumps(hf))
-    if saved is None:
+    if not os.path.isfile(os.path.join(path, "config.json")):  # checkpoints of earlier versions
         return
+    saved, now = read_hf_config(path), json.loads(json.dumps(hf))
     missing = object()
     diff = [f"{k}: {saved.get(k, '(unset)')!r} there, {now.get(k, '(unset)')!r} now"
             for k in sorted(saved.keys() | now.keys()) if saved.get(k, missing) != now.get(k, missing)]
@@ -336,8 +344,7 @@ def train(cfg: RunConfig) -> dict:
     if path is not None:
         check_same_model(path, cfg.model.hf)
         state = checkpoint.load(path, model, optimizer)
-        saved = state.get("tokenizer", corpus_tokenizer)
-        if saved != corpus_tokenizer and not (has_tok and saved == vocabulary_fingerprint(train_ds.tokenizer_path)):
+        if not same_tokenizer(state.get("tokenizer", corpus_tokenizer), corpus_tokenizer, train_ds):
             raise ConfigError(f"checkpoint {path} was trained on a corpus with another tokenizer (fingerprint "
                               f"{state['tokenizer']}) than data.corpus = {d.corpus} ({corpus_tokenizer}); resume "
                               "with the corpus it was trained on")
