@@ -252,8 +252,11 @@ def test_tokenizer_folder_must_hold_a_tokenizer_and_generation_config_comes_from
     tok = tmp_path / "tok"
     tok.mkdir()
     (tok / "tokenizer.json").write_text('{"tok": true}')
+    (tok / "added_tokens.json").write_text('{"<x>": 5}')
+    (tok / "chat_template.json").write_text('{"chat_template": "t"}')
     info = hf.hf_to_dcp(str(hf_folder), str(tmp_path / "out"), tokenizer=str(tok))
-    assert sorted(info["tokenizer_files"]) == ["generation_config.json", "tokenizer.json"]
+    assert sorted(info["tokenizer_files"]) == ["added_tokens.json", "chat_template.json", "generation_config.json",
+                                               "tokenizer.json"]
     assert json.load(open(tmp_path / "out" / "tokenizer.json")) == {"tok": True}
     assert json.load(open(tmp_path / "out" / "generation_config.json")) == {"eos_token_id": 1}
     checkpoint.verify(str(tmp_path / "out"), checksums=True)
@@ -262,4 +265,5 @@ def test_tokenizer_folder_must_hold_a_tokenizer_and_generation_config_comes_from
     with pytest.raises(CheckpointError, match="--tokenizer"):
         hf.dcp_to_hf(str(tmp_path / "out"), str(tmp_path / "back"), tokenizer=str(tok))
     info = hf.dcp_to_hf(str(tmp_path / "out"), str(tmp_path / "back"))
-    assert sorted(info["tokenizer_files"]) == ["generation_config.json", "tokenizer.json"]
+    assert sorted(info["tokenizer_files"]) == ["added_tokens.json", "chat_template.json", "generation_config.json",
+                                               "tokenizer.json"]

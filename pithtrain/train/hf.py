@@ -37,10 +37,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from pithtrain.models import build_model
-from pithtrain.train.checkpoint import CheckpointError, check_tensors, finalize_dir, quiet, stored_tensors, verify
+from pithtrain.train.checkpoint import (CheckpointError, _fsync_dir, check_tensors, finalize_dir, quiet, stored_tensors,
+                                       verify)
 
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "chat_template.jinja"]
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json"]
 GENERATION_CONFIG = "generation_config.json"
 ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
                  "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
@@ -280,14 +281,21 @@ class _LazySavePlanner(DefaultSavePlanner):
         return self.sources[write_item.index.fqn.removeprefix("model.")].make()
 
 
-def _as_umask_allows(folder: str) -> None:
-    """Give `folder` and its files the permissions a plain mkdir / open would (mkdtemp's are 0700)."""
+def _settle(folder: str) -> None:
+    """Before the rename: give `folder` and its files the permissions a plain mkdir / open would
+    (mkdtemp's are 0700), and flush the files to disk, so the renamed folder is never half-written."""
     mask = os.umask(0)
     os.umask(mask)
     os.chmod(folder, 0o777 & ~mask)
     for name in os.listdir(folder):
-        if os.path.isfile(os.path.join(folder, name)):
-            os.chmod(os.path.join(folder, name), 0o666 & ~mask)
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            os.chmod(path, 0o666 & ~mask)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
 
 def _fresh_output(out: str) -> str:
@@ -332,7 +340,7 @@ def hf_to_dcp(src: str, out: str, tokenizer: str | None = None) -> dict:
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf_config, f, indent=2)
         copied = _copy_files(extra, tmp)
-        _as_umask_allows(tmp)
+        _settle(tmp)
         finalize_dir(tmp, out, {"source": os.path.abspath(src), "tensors": len(sources)})
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -420,13 +428,14 @@ def dcp_to_hf(ckpt: str, out: str, hf_config: dict | None = None, tokenizer: str
             del state, tensors
         _write_hf_folder_rest(tmp, weight_map, total, hf_config, out_dtype)
         copied = _copy_files(extra, tmp)
-        _as_umask_allows(tmp)
+        _settle(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if os.path.exists(out):
         raise CheckpointError(f"{out} appeared while converting; the result is left in {tmp}")
     os.replace(tmp, out)
+    _fsync_dir(os.path.dirname(os.path.abspath(out)))
     return {"shards": len(shards), "tensors": len(weight_map), "tokenizer_files": copied}
 
 
