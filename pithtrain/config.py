@@ -51,7 +51,7 @@ class DataConfig:
     micro_batch_size: int = 4  # sequences per forward/backward
     global_batch_size: int = 8  # sequences per optimizer step (micro_batch_size * accumulation)
     val_every: int = 50  # validation every N steps (0: only at the end)
-    val_batches: int = 4  # validation set: the first val_batches global batches of the val split
+    val_batches: int = 4  # validation set: the first val_batches global batches of the val split (0: none)
     document_mask: bool = False  # attention stays inside each packed document; positions restart per document
 
 
@@ -293,10 +293,11 @@ def validate(cfg: RunConfig) -> None:
     for key, value in [("train.steps", t.steps), ("data.seq_len", d.seq_len),
                        ("data.micro_batch_size", d.micro_batch_size),
                        ("data.global_batch_size", d.global_batch_size), ("log.every", cfg.log.every),
-                       ("data.val_batches", d.val_batches), ("checkpoint.keep", cfg.checkpoint.keep)]:
+                       ("checkpoint.keep", cfg.checkpoint.keep)]:
         if value < 1:
             raise ConfigError(f"{key} = {value} must be at least 1")
-    for key, value in [("data.val_every", d.val_every), ("checkpoint.every", cfg.checkpoint.every),
+    for key, value in [("data.val_every", d.val_every), ("data.val_batches", d.val_batches),
+                       ("checkpoint.every", cfg.checkpoint.every),
                        ("optim.warmup_steps", o.warmup_steps), ("optim.grad_clip", o.grad_clip),
                        ("optim.weight_decay", o.weight_decay), ("moe.aux_loss_coef", cfg.moe.aux_loss_coef),
                        ("moe.z_loss_coef", cfg.moe.z_loss_coef), ("train.threads", t.threads),

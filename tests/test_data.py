@@ -467,15 +467,26 @@ def test_missing_optional_package(tmp_path, tok_path, monkeypatch, fmt):
 
 
 def test_an_empty_split_takes_a_document_and_says_how_much(tmp_path, tok_path, caplog):
-    """val_fraction 0 leaves validation empty: the last training document moves there, with a
-    warning of its size; a validation split too short for a window names --val-fraction."""
+    """A val_fraction too small to draw a document leaves validation empty: the last training
+    document moves there, with a warning of its size; a validation split too short for a window
+    names --val-fraction and data.val_batches = 0. val_fraction 0 asks for no validation: the val
+    split stays empty and every document trains."""
     docs = [f"{d} {i}" for i in range(4) for d in DOCS]
     out = str(tmp_path / "c")
     with caplog.at_level("WARNING", logger="pithtrain.corpus"):
-        meta = C.build_corpus([write_jsonl(tmp_path / "d.jsonl", docs)], out, tok_path, val_fraction=0.0, workers=1)
+        meta = C.build_corpus([write_jsonl(tmp_path / "d.jsonl", docs)], out, tok_path, val_fraction=1e-12, workers=1)
     assert meta["splits"]["val"]["docs"] == 1 and "the val split was empty" in caplog.text
-    with pytest.raises(C.CorpusError, match="larger --val-fraction"):
+    with pytest.raises(C.CorpusError, match=r"larger --val-fraction, or set data.val_batches = 0"):
         len(D.PackedDataset(out, "val", 4096))
+    caplog.clear()
+    none = str(tmp_path / "none")
+    with caplog.at_level("WARNING", logger="pithtrain.corpus"):
+        meta = C.build_corpus([write_jsonl(tmp_path / "d.jsonl", docs)], none, tok_path, val_fraction=0.0, workers=1)
+    assert meta["splits"]["val"] == {"tokens": 0, "docs": 0} and meta["splits"]["train"]["docs"] == len(docs)
+    assert "split was empty" not in caplog.text
+    assert D.PackedDataset(none, "val", 8).n_tokens == 0
+    with pytest.raises(C.CorpusError, match="data.val_batches = 0"):
+        len(D.PackedDataset(none, "val", 8))
 
 
 def test_byte_order_marks_are_not_text(tmp_path, tok_path):

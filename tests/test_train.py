@@ -97,7 +97,7 @@ def test_fresh_run_refuses_an_existing_run_dir(tiny_corpus, tmp_path):
     train(load_config(toml, nock))
     before = open(tmp_path / "nock" / "metrics.jsonl").read()
     for resume in ("none", "auto"):
-        with pytest.raises(ConfigError, match="metrics.jsonl\) with no checkpoint to continue from"):
+        with pytest.raises(ConfigError, match=r"metrics.jsonl\) with no checkpoint to continue from"):
             train(load_config(toml, nock + [f"checkpoint.resume={resume}"]))
     assert open(tmp_path / "nock" / "metrics.jsonl").read() == before
 
@@ -183,6 +183,26 @@ def test_the_validation_set_does_not_depend_on_the_micro_batch(tiny_corpus, tmp_
                                            "optim.min_lr=0", f"data.micro_batch_size={micro}"]))
         vals.append(summary["val_loss"])
     assert max(vals) - min(vals) < 1e-5 * vals[0], vals
+
+
+def test_training_without_validation(tmp_path):
+    """data.val_batches = 0 trains with no validation (no val_loss), on a corpus built with
+    --val-fraction 0; a run that asks for validation on that corpus is refused, naming the key."""
+    from pithtrain.train.corpus import build_corpus, demo_texts
+
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t, _ in zip(demo_texts(), range(20))))
+    corpus = str(tmp_path / "c")
+    build_corpus([str(src)], corpus, None, workers=1, demo_vocab_size=512, val_fraction=0.0)
+    (tmp_path / "r").mkdir()
+    toml = write_run(tmp_path / "r", corpus)
+    with pytest.raises(Exception, match="data.val_batches = 0"):
+        train(load_config(toml, ["train.steps=2", "optim.warmup_steps=1"]))
+    summary = train(load_config(toml, ["train.steps=2", "optim.warmup_steps=1", "data.val_batches=0",
+                                       "data.val_every=1"]))
+    rows = [json.loads(line) for line in open(os.path.join(summary["run_dir"], "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == [1, 2] and not any("val_loss" in r for r in rows)
+    assert summary["val_loss"] is None and summary["train_loss"] > 0
 
 
 def test_resumed_log_drops_later_steps_and_a_torn_line(tmp_path, capsys):

@@ -568,10 +568,12 @@ def _build(sources, tmp, tokenizer, val_fraction, workers, eos_token, skip_bad_f
             for kind, i, p in pending:
                 handle(kind, i, result(p) if kind == "docs" else p)
         total = writers["train"].n_docs + writers["val"].n_docs
-        if total < 2:
-            raise CorpusError(f"the inputs hold {total or 'no'} document{'s' * (total != 1)}; at least 2 are needed "
-                              "(one for train, one for validation): pass files with text in them")
-        for a, b in (("train", "val"), ("val", "train")):  # neither split may be empty
+        if total < 1 + (val_fraction > 0):
+            raise CorpusError(f"the inputs hold {total or 'no'} document{'s' * (total != 1)}; at least "
+                              + ("2 are needed (one for train, one for validation)" if val_fraction > 0 else "1 is needed")
+                              + ": pass files with text in them")
+        # Neither split may be empty, except validation when none was asked for (val_fraction 0).
+        for a, b in (("train", "val"), ("val", "train"))[val_fraction == 0:]:
             if writers[b].n_docs == 0:
                 doc = writers[a].truncate(writers[a].n_docs - 1, read=True)
                 writers[b].add(doc)
@@ -605,7 +607,8 @@ def add_build_corpus_args(parser: argparse.ArgumentParser) -> None:
     add("--out", required=True, help="output corpus directory (new or empty)")
     add("--tokenizer", default=None, help="tokenizer.json or a directory holding one (default: train a demo BPE)")
     add("--text-key", default="text", help="JSON key / Parquet column holding the text (default: text)")
-    add("--val-fraction", type=float, default=0.01, help="share of documents held out for validation")
+    add("--val-fraction", type=float, default=0.01,
+        help="share of documents held out for validation (0: none, for runs with data.val_batches = 0)")
     add("--workers", type=int, default=min(4, os.cpu_count() or 1), help="tokenizer processes")
     add("--eos-token", default=None, help="end-of-document token (default: auto-detect)")
     add("--skip-bad-files", action="store_true", help="skip unreadable or malformed files instead of failing")

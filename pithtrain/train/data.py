@@ -66,7 +66,8 @@ class PackedDataset:
         if n == 0:
             raise CorpusError(f"corpus split {self.split} has {self.n_tokens} tokens, fewer than "
                               f"seq_len+1={self.seq_len + 1}; lower data.seq_len or add data"
-                              + (", or rebuild the corpus with a larger --val-fraction" if self.split == "val" else ""))
+                              + (", or rebuild the corpus with a larger --val-fraction, or set data.val_batches = 0 "
+                                 "to train without validation" if self.split == "val" else ""))
         return n
 
     def _start(self, i: int) -> int:

@@ -301,14 +301,16 @@ def train(cfg: RunConfig) -> dict:
     has_tok = os.path.isfile(train_ds.tokenizer_path)
     corpus_tokenizer = tokenizer_fingerprint(train_ds.tokenizer_path) if has_tok else None
     D = layout.data_ranks
-    val_idx = validation_batches(val_ds, d.micro_batch_size * D, d.global_batch_size, d.val_batches)
+    val_idx = []  # data.val_batches = 0: no validation
+    if d.val_batches:
+        val_idx = validation_batches(val_ds, d.micro_batch_size * D, d.global_batch_size, d.val_batches)
     notes = []
-    if len(val_ds) < d.global_batch_size:
+    if d.val_batches and len(val_ds) < d.global_batch_size:
         notes.append(f"the validation split holds {len(val_ds)} windows, fewer than one global batch "
                      f"({d.global_batch_size}): val_loss covers the first {sum(map(len, val_idx))}, a number that "
                      "depends on the micro-batch size and rank count; rebuild the corpus with a larger --val-fraction "
                      "to compare val_loss across layouts")
-    elif len(val_ds) // d.global_batch_size < d.val_batches:
+    elif d.val_batches and len(val_ds) // d.global_batch_size < d.val_batches:
         notes.append(f"data.val_batches = {d.val_batches}, but the validation split holds "
                      f"{len(val_ds) // d.global_batch_size} global batches: val_loss uses those")
     sampler = GlobalBatchSampler(len(train_ds), d.global_batch_size, cfg.train.seed, d.seq_len, train_ds.n_tokens)
@@ -418,7 +420,7 @@ def train(cfg: RunConfig) -> dict:
                 preemption.uninstall()
         tokens_since += last["tokens"]
         is_last = done == end
-        validate = is_last or (d.val_every and done % d.val_every == 0)
+        validate = bool(val_batches) and (is_last or (d.val_every and done % d.val_every == 0))
         if done % cfg.log.every == 0 or validate or is_last:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
