@@ -472,6 +472,8 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | N
         set_model_state_dict(model, state["model"])
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    # Training draws no random numbers (no dropout; weights and data order are seeded), so a rank with
+    # no saved state (a resume on more ranks) keeps its own; the states serve code that does draw.
     rng_path = os.path.join(path, f"rng-rank{_rank()}.pt")
     if os.path.isfile(rng_path):
         set_rng_state(torch.load(rng_path, weights_only=False))
