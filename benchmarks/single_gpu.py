@@ -1,7 +1,7 @@
 """PithTrain vs Hugging Face transformers on one GPU, same config, same weights, same process.
 
     PYTHONPATH=. python benchmarks/single_gpu.py [--model qwen3_30b_a3b] [--layers 4] [--seq 4096]
-                                                [--mbs 2] [--steps 5]
+                                                [--mbs 2] [--steps 5] [--clip 1.0]
 
 Builds a `--layers`-layer proxy of an example model (`examples/<model>/config.json`: Qwen3-30B-A3B,
 DeepSeek-V2-Lite, GPT-OSS-20B), initialises ours, loads the same weights into the transformers
@@ -15,7 +15,7 @@ docs/performance.md does: bf16 weights, fused AdamW. MFU is given against 989 TF
 dense bf16 figure) and against a bf16 8192^3 matmul measured in the same run.
 Model FLOPs per token (training = 3 x forward): 6 * active parameters without the input
 embedding + 3 * per layer 2 * keys * heads * (qk_dim + v_dim), keys = S/2 under full causal
-attention and the window under a sliding window.
+attention and the mean keys per query, w - w(w-1)/(2S), under a sliding window of w.
 """
 
 import argparse
@@ -45,7 +45,8 @@ def flops_per_token(model, seq: int) -> float:
     for layer in model.model.layers.values():
         a = layer.self_attn
         qk, v = (a.nope_dim + a.rope_dim, a.v_dim) if isinstance(a, MLAttention) else (a.head_dim, a.head_dim)
-        keys = seq / 2 if getattr(a, "window", None) is None else min(a.window, seq / 2)
+        w = getattr(a, "window", None)  # a query sees itself and the w - 1 keys before it
+        keys = seq / 2 if w is None or w >= seq else w - w * (w - 1) / (2 * seq)
         attn += 2 * keys * a.heads * (qk + v)
     return 6 * active + 3 * attn
 
@@ -139,6 +140,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--only", choices=["ours", "hf", "both"], default="both")
+    p.add_argument("--clip", type=float, default=0.0, help="clip the gradients' norm to this, as trainers do "
+                   "(both default to 1.0): ours as `pithtrain train` does, HF with torch.nn.utils.clip_grad_norm_")
     p.add_argument("--profile", default="", help="also profile two steps of each: kernel table + trace in DIR/ours, DIR/hf")
     p.add_argument("--compile", choices=["on", "off"], default="on", help="torch.compile of our dense parts")
     p.add_argument("--recompute", choices=["none", "attention", "experts", "both"], default="none")
@@ -165,7 +168,7 @@ def main() -> None:
     from pithtrain.layers.transformer import cast_parameters, init_weights
     from pithtrain.models import build_model
     from pithtrain.tools.memory import estimate
-    from pithtrain.train.optim import AdamW
+    from pithtrain.train.optim import AdamW, clip_grad_norm
 
     with torch.device(dev):
         ours = build_model(cfg)
@@ -187,7 +190,8 @@ def main() -> None:
             loss.backward()
             if read_loss:
                 loss.item()
-            opt.step()
+            scale = clip_grad_norm(list(ours.parameters()), args.clip)[1] if args.clip else None
+            opt.step(grad_scale=scale)
             opt.zero_grad(set_to_none=True)
 
         results["ours"] = measure(step_ours, args, tokens, fpt, ceiling)
@@ -222,6 +226,8 @@ def main() -> None:
             loss.backward()
             if read_loss:
                 loss.item()
+            if args.clip:
+                torch.nn.utils.clip_grad_norm_(hf.parameters(), args.clip)
             hopt.step()
             hopt.zero_grad(set_to_none=True)
 
@@ -237,6 +243,7 @@ def main() -> None:
         results["ratio_peak_mem"] = results["ours"]["peak_gb"] / results["hf"]["peak_gb"]
     results["config"] = dict(model=args.model, layers=args.layers, seq=args.seq, mbs=args.mbs, steps=args.steps,
                              weights=args.weights, compile=args.compile, recompute=args.recompute, ce_chunk=args.ce_chunk,
+                             clip=args.clip,
                              flops_per_token=fpt, device=torch.cuda.get_device_name())
     print(json.dumps(results, indent=1))
 

@@ -134,6 +134,8 @@ def cmd_memory(args) -> int:
     autocast = autocast_dtype(cfg, device_type) is not None
     est = estimate_for_run(cfg, layout.world, layout.cp, autocast=autocast, data_ranks=layout.data_ranks)
     print("\n".join(est.lines()))
+    if args.device_gb < 0:
+        raise ConfigError(f"--device-gb {args.device_gb:g}: give the device's memory in GiB (0: no check)")
     if args.device_gb:
         check_fits(est, int(args.device_gb * GB), layout.world)
         print(f"fits in {args.device_gb:g} GB")

@@ -227,21 +227,22 @@ def check_expert_bias(device: str) -> None:
 
 
 def check_adamw(device: str) -> None:
-    """The kernel against its twin (ragged sizes, bf16 states on CUDA), then the optimizer against
-    torch.optim.AdamW over several steps: same numbers, same state format."""
+    """The kernel against its twin (ragged sizes, bf16 states on CUDA, with and without clipping's
+    factor), then the optimizer against torch.optim.AdamW over several steps (the factor given to
+    ours, the gradients scaled by it for torch's): same numbers, same state format."""
     from pithtrain.train.optim import AdamW
 
     assert use_triton(torch.empty(1, device=device), ndim=None), "the Triton path is not taken"
     gen = torch.Generator(device).manual_seed(3)
     sizes = [1, 4097, 0, 3 * aw.BLOCK + 5] + ([1 << 22] if device == "cuda" else [])
     for dtype in ([torch.float32, torch.bfloat16] if device == "cuda" else [torch.float32]):
-        for n in sizes:
+        for n, scale in zip(sizes, [None, torch.tensor(0.25, device=device)] * 3):
             p, g, m = (torch.randn(n, device=device, generator=gen).to(dtype) for _ in range(3))
             v = torch.rand(n, device=device, generator=gen).to(dtype)
             step = torch.tensor(7.0, device=device)
             want = [t.clone() for t in (p, g, m, v)]
-            aw.adamw_update(p, g, m, v, step, 1e-2, 0.9, 0.95, 1e-8, 0.1)
-            aw.adamw_reference(*want, step, 1e-2, 0.9, 0.95, 1e-8, 0.1)
+            aw.adamw_update(p, g, m, v, step, 1e-2, 0.9, 0.95, 1e-8, 0.1, scale)
+            aw.adamw_reference(*want, step, 1e-2, 0.9, 0.95, 1e-8, 0.1, scale)
             for got, ref in zip((p, m, v), (want[0], want[2], want[3])):
                 tol = 1e-6 if dtype == torch.float32 else 1e-2
                 assert ((got.float() - ref.float()).norm() <= tol * ref.float().norm() + 1e-12), (n, dtype)
@@ -257,11 +258,17 @@ def check_adamw(device: str) -> None:
     kw = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, foreach=False)
     opts = [AdamW(groups(ours), **kw), torch.optim.AdamW(groups(ref), **kw)]
     for it in range(5):
+        scale = torch.tensor(0.5 + 0.1 * it, device=device) if it % 2 else None
         for ps, opt in zip((ours, ref), opts):
             g = torch.Generator(device).manual_seed(10 + it)
             for p in ps:
                 p.grad = torch.randn(p.shape, device=device, generator=g)
-            opt.step()
+            if opt is opts[0]:
+                opt.step(grad_scale=scale)
+            else:
+                for p in ps:
+                    p.grad *= 1.0 if scale is None else scale
+                opt.step()
     for a, b in zip(ours, ref):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a - b).abs().max()
     s0, s1 = opts[0].state_dict()["state"], opts[1].state_dict()["state"]

@@ -50,3 +50,27 @@ def test_accumulation_matches_one_batch():
     twin_params = dict(twin.named_parameters())
     for name, p in model.named_parameters():
         assert torch.allclose(p, twin_params[name], rtol=1e-5, atol=1e-7), name
+
+
+def test_clipping_matches_torch():
+    """train_step's clipping (the factor handed to the optimizer, not a pass over the gradients)
+    steps as torch.nn.utils.clip_grad_norm_ then the optimizer: SGD and our AdamW."""
+    from pithtrain.config import OptimConfig
+    from pithtrain.train.optim import build_optimizer
+
+    torch.manual_seed(1)
+    ids = torch.randint(0, TINY_MODEL["vocab_size"], (2, 16))
+    labels = torch.randint(0, TINY_MODEL["vocab_size"], (2, 16))
+    model = build_model(TINY_MODEL)
+    init_weights(model, seed=0)
+    for make in (lambda m: torch.optim.SGD(m.parameters(), lr=1.0),
+                 lambda m: build_optimizer(m, OptimConfig(lr=1e-2, weight_decay=0.1))):
+        ours, ref = copy.deepcopy(model), copy.deepcopy(model)
+        out = train_step(ours, make(ours), [(ids, labels)], 0.05, torch.device("cpu"), None)
+        (ref(ids, labels=labels) / labels.numel()).backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        make(ref).step()
+        assert norm > 0.5 and torch.allclose(out["grad_norm"], norm, rtol=1e-5)  # clipping was active
+        ref_params = dict(ref.named_parameters())
+        for name, p in ours.named_parameters():
+            assert torch.allclose(p, ref_params[name], rtol=1e-5, atol=1e-7), name

@@ -102,6 +102,11 @@ def test_hsdp_replicas_hold_whole_states():
     fsdp8 = estimate_for_run(load_config(toml, []), world=8, data_ranks=8)
     assert hsdp.weights == fsdp4.weights == 2 * fsdp8.weights
     assert hsdp.optimizer == fsdp4.optimizer and hsdp.total == fsdp4.total
+    # one rank per replica is still FSDP: a layer at a time gathered, not autocast copies of every matrix
+    pair = estimate_for_run(load_config(toml, ["parallel.dp_replicate=2"]), world=2, data_ranks=2)
+    fsdp1 = estimate_for_run(load_config(toml, []), world=1, data_ranks=2, sharded=True)
+    alone = estimate_for_run(load_config(toml, []), world=1, data_ranks=1)
+    assert pair.compute_copies == fsdp1.compute_copies < alone.compute_copies
 
 
 def test_fsdp_gathers_the_local_experts_and_the_head():

@@ -146,6 +146,9 @@ def test_lr_schedule():
     assert lr_at(4 + 9 // 2, 14, c) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 4 / 9)))
     lin = OptimConfig(lr=1.0, min_lr=0.0, warmup_steps=0, decay="linear")
     assert lr_at(0, 11, lin) == 1.0 and lr_at(5, 11, lin) == pytest.approx(0.5) and lr_at(10, 11, lin) == 0.0
+    # one step after warmup: it is the last, at min_lr (warmup reached lr at its own last step)
+    assert [lr_at(s, 5, c) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, pytest.approx(0.1)]
+    assert lr_at(0, 1, lin) == 1.0
     const = OptimConfig(lr=1.0, warmup_steps=2, decay="constant")
     assert lr_at(1, 10, const) == 1.0 and lr_at(9, 10, const) == 1.0
 

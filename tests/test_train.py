@@ -218,3 +218,17 @@ def test_resumed_log_drops_later_steps_and_a_torn_line(tmp_path, capsys):
     steps = [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")]
     assert steps == [1, 2, 3] and "dropped 1 line(s)" in capsys.readouterr().out
     assert not os.path.exists(tmp_path / "metrics.jsonl.tmp")
+    # a whole record cut before its newline stays, and the next one starts a line of its own;
+    # a non-finite loss is written as null (strict JSON), and the plot skips it
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.write(json.dumps({"step": 1, "loss": 1.0}) + "\n" + json.dumps({"step": 2, "loss": 0.9}))
+    log = RunLog(str(tmp_path), 10, 2, progress=False, tensorboard=False, wandb=False, wandb_project="",
+                 config={})
+    log.record({"step": 3, "loss": float("nan"), "grad_norm": float("inf")}, console=False)
+    log.close()
+    text = open(tmp_path / "metrics.jsonl").read()
+    rows = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} is not JSON")) for line in text.splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[2]["loss"] is None and rows[2]["grad_norm"] is None
+    from pithtrain.train.log import plot_losses
+
+    assert os.path.getsize(plot_losses(str(tmp_path / "metrics.jsonl"), str(tmp_path / "loss.png"))) > 0

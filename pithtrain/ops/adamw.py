@@ -6,8 +6,10 @@ and the moments back: 14 bytes per element in bf16, 28 in fp32, and nothing to c
 memory-bound, so its time is its bandwidth: torch's multi-tensor `_fused_adamw_` reaches ~58% of
 the copy ceiling on the H200 (18 ms for 3.1 B bf16 parameters); this kernel streams each
 parameter once in wide blocks, with the bias corrections computed on the device from the step
-count (no host synchronisation, no step-dependent recompilation). `adamw_reference` is its
-torch twin. The optimizer that calls it is `AdamW` in `train/optim.py`.
+count (no host synchronisation, no step-dependent recompilation). Gradient clipping's factor
+(`grad_scale`, a 0-d device tensor) is applied as the gradient is read, which saves clipping's own
+pass over every gradient (a read and a write: 4 of the 14 bytes per element again). `adamw_reference`
+is its torch twin. The optimizer that calls it is `AdamW` in `train/optim.py`.
 """
 
 import math
@@ -20,11 +22,13 @@ if triton is not None:
 BLOCK, WARPS = 2048, 4  # measured best of 8 tiles on the H200 (benchmarks/kernels.py --sweep)
 
 
-def adamw_reference(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay) -> None:
+def adamw_reference(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay, grad_scale=None) -> None:
     """In place, in fp32, stored back in each tensor's dtype; `step` (a 0-d tensor) already counts
-    this update."""
+    this update; the gradient is `g` times `grad_scale` (a 0-d tensor) if given."""
     t = step.float()
     pf, gf, mf, vf = p.float(), g.float(), m.float(), v.float()
+    if grad_scale is not None:
+        gf = gf * grad_scale.float()
     mf = mf + (1 - beta1) * (gf - mf)
     vf = beta2 * vf + (1 - beta2) * gf * gf
     bc1, bc2 = 1 - beta1 ** t, 1 - beta2 ** t
@@ -35,8 +39,8 @@ def adamw_reference(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay) -> No
 if triton is not None:
 
     @triton.jit
-    def _adamw(p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, n, lr, beta1, beta2, eps, decay, log_beta1, log_beta2,
-               BLOCK: tl.constexpr):
+    def _adamw(p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, scale_ptr, n, lr, beta1, beta2, eps, decay, log_beta1,
+               log_beta2, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         t = tl.load(step_ptr).to(tl.float32)
@@ -44,6 +48,8 @@ if triton is not None:
         bc2 = 1.0 - tl.exp(t * log_beta2)
         p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
         g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
+        if scale_ptr is not None:
+            g = g * tl.load(scale_ptr).to(tl.float32)
         m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
         v = tl.load(v_ptr + offs, mask=mask).to(tl.float32)
         m = m + (1.0 - beta1) * (g - m)
@@ -58,12 +64,12 @@ def _log(beta: float) -> float:
     return math.log(beta) if beta > 0 else float("-inf")  # beta 0: no bias correction
 
 
-def adamw_update(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay) -> None:
+def adamw_update(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay, grad_scale=None) -> None:
     """`adamw_reference` as one kernel launch (contiguous tensors of one shape), the twin otherwise."""
     tensors = (p, g, m, v)
     if not (use_triton(p, ndim=None) and all(t.is_contiguous() and t.shape == p.shape for t in tensors)):
-        return adamw_reference(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay)
+        return adamw_reference(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay, grad_scale)
     n = p.numel()
     if n:
-        _adamw[(triton.cdiv(n, BLOCK),)](p, g, m, v, step, n, lr, beta1, beta2, eps, weight_decay,
+        _adamw[(triton.cdiv(n, BLOCK),)](p, g, m, v, step, grad_scale, n, lr, beta1, beta2, eps, weight_decay,
                                          _log(beta1), _log(beta2), BLOCK=BLOCK, num_warps=WARPS)

@@ -64,14 +64,14 @@ def plan_layout(cfg: RunConfig, world: int) -> Layout:
     for key, value in (("pp", p.pp), ("cp", p.cp), ("ep", p.ep), ("dp_replicate", p.dp_replicate)):
         if value < 1:
             raise ConfigError(f"parallel.{key} = {value} must be at least 1")
+    if p.pp > 1:
+        raise ConfigError(f"parallel.pp = {p.pp}: pipeline parallelism is not available yet; set parallel.pp=1")
     fixed = p.pp * p.cp * p.ep
     if world % fixed:
         raise ConfigError(f"the world size {world} is not a multiple of parallel.pp * parallel.cp * parallel.ep = "
                           f"{p.pp} * {p.cp} * {p.ep} = {fixed}; launch a multiple of {fixed} processes "
                           f"(torchrun --nproc-per-node=...) or change the layout")
     layout = Layout(world, p.pp, world // fixed, p.cp, p.ep, p.dp_replicate)
-    if p.pp > 1:
-        raise ConfigError(f"parallel.pp = {p.pp}: pipeline parallelism is not available yet; set parallel.pp=1")
     if layout.dp % p.dp_replicate:
         raise ConfigError(f"parallel.dp_replicate = {p.dp_replicate} does not divide the data-parallel degree "
                           f"dp = {layout.dp} (world {world} / (pp * cp * ep) = {fixed})")

@@ -105,18 +105,20 @@ def layer_activation_bytes(layer: nn.Module, a: int, recompute_attention: bool, 
 
 def estimate(model: nn.Module, *, tokens: int, param_dtype: str = "fp32", autocast: bool = True,
              world: int = 1, recompute: str = "none", ce_chunk: int = CHUNK,
-             accumulate: bool = True, ep: int = 1) -> MemoryEstimate:
+             accumulate: bool = True, ep: int = 1, sharded: bool | None = None) -> MemoryEstimate:
     """Per-rank estimate for `model` (meta device is enough; all experts, as one process builds it)
     with `tokens` per micro-batch on this rank (micro_batch_size * seq_len / cp), parameters sharded
     over `world` ranks, experts split over `ep` of them; `accumulate`: the step runs two or more
-    micro-batches on this rank (else the backward walk of one)."""
+    micro-batches on this rank (else the backward walk of one); `sharded`: FSDP wraps the model
+    (default: `world` > 1; also so under HSDP with one rank per replica, or torchrun with one rank)."""
     state = 4 if param_dtype == "fp32" else 2
     a = 2 if (autocast or param_dtype == "bf16") else 4
     n = sum(p.numel() for p in model.parameters())
     layers = list(model.model.layers.values())
     head = model.lm_head.weight
     matrices = sum(p.numel() for layer in layers for p in layer.parameters() if p.ndim >= 2) + head.numel()
-    if world > 1:  # FSDP gathers a layer's weights (bf16 under autocast) and frees them after use
+    sharded = world > 1 if sharded is None else sharded
+    if sharded:  # FSDP gathers a layer's weights (bf16 under autocast) and frees them after use
         def gathered(layer):
             experts = sum(p.numel() for p in layer.mlp.experts.parameters()) if layer.is_moe else 0
             return sum(p.numel() for p in layer.parameters()) - experts + experts / ep
@@ -146,11 +148,13 @@ def estimate(model: nn.Module, *, tokens: int, param_dtype: str = "fp32", autoca
     return est
 
 
-def estimate_for_run(cfg, world: int = 1, cp: int = 1, autocast: bool = True, data_ranks: int = 1) -> MemoryEstimate:
+def estimate_for_run(cfg, world: int = 1, cp: int = 1, autocast: bool = True, data_ranks: int = 1,
+                     sharded: bool | None = None) -> MemoryEstimate:
     """`estimate` for a RunConfig on `world` ranks with context parallel `cp` and `data_ranks`
     ranks that split the global batch: the model built on the meta device (nothing allocated),
     this rank's share of a micro-batch. Under HSDP (`parallel.dp_replicate` > 1) each replica
-    holds whole states, so they are sharded over world / dp_replicate ranks."""
+    holds whole states, so they are sharded over world / dp_replicate ranks; FSDP wraps the model
+    whenever `world` > 1 (or `sharded`: one process under torchrun)."""
     from pithtrain.models import build_model
 
     with torch.device("meta"):
@@ -158,7 +162,8 @@ def estimate_for_run(cfg, world: int = 1, cp: int = 1, autocast: bool = True, da
     t, d = cfg.train, cfg.data
     return estimate(model, tokens=d.micro_batch_size * d.seq_len // cp, param_dtype=t.param_dtype,
                     autocast=autocast, world=world // cfg.parallel.dp_replicate, recompute=t.recompute,
-                    accumulate=d.global_batch_size > d.micro_batch_size * data_ranks, ep=cfg.parallel.ep)
+                    accumulate=d.global_batch_size > d.micro_batch_size * data_ranks, ep=cfg.parallel.ep,
+                    sharded=world > 1 if sharded is None else sharded)
 
 
 def check_fits(est: MemoryEstimate, device_bytes: int | None, world: int = 1) -> None:

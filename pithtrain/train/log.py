@@ -7,6 +7,7 @@ import math
 import os
 import resource
 import sys
+import uuid
 
 import torch
 
@@ -54,16 +55,36 @@ class RunLog:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+                # on resume, events of the steps after the checkpoint (an earlier try's) are dropped
+                self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=start_step + 1)
             except ImportError:
                 self.say("log.tensorboard = true but tensorboard is not installed; pip install tensorboard")
         if wandb:
             try:
                 import wandb as wandb_lib
-
-                self.wandb = wandb_lib.init(project=wandb_project, dir=run_dir, config=config, resume="allow")
             except ImportError:
                 self.say("log.wandb = true but wandb is not installed; pip install wandb")
+            else:
+                try:  # the run's id is kept in the run dir, so a resume continues the same wandb run
+                    self.wandb = wandb_lib.init(project=wandb_project, dir=run_dir, config=config,
+                                                id=self._wandb_id(run_dir), resume="allow")
+                except Exception as e:  # no login, no network, ...: training goes on, metrics.jsonl has it all
+                    self.say(f"log.wandb = true but wandb did not start ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''}); training goes on without it "
+                             "(every record is in metrics.jsonl); run `wandb login` or set log.wandb=false")
+
+    @staticmethod
+    def _wandb_id(run_dir: str) -> str:
+        path = os.path.join(run_dir, "wandb_run_id")
+        if os.path.isfile(path):
+            with open(path) as f:
+                run_id = f.read().strip()
+            if run_id:
+                return run_id
+        run_id = uuid.uuid4().hex[:12]
+        with open(path, "w") as f:
+            f.write(run_id + "\n")
+        return run_id
 
     def _truncate_after(self, step: int) -> int:
         """On resume, drop records of steps after the checkpoint, so the log continues cleanly, and
@@ -80,7 +101,7 @@ class RunLog:
                     torn += bool(line.strip())
                     continue
                 if record_step <= step:
-                    keep.append(line)
+                    keep.append(line if line.endswith("\n") else line + "\n")  # the next record starts a line
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
             f.writelines(keep)
@@ -98,7 +119,9 @@ class RunLog:
             self.bar.update(n)
 
     def record(self, r: dict, console: bool = True) -> None:
-        self.file.write(json.dumps(r) + "\n")
+        # NaN and Inf (a non-finite step) as null: strict JSON readers (jq) refuse NaN
+        self.file.write(json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v
+                                    for k, v in r.items()}) + "\n")
         self.file.flush()
         if console:
             self.say(format_record(r, self.total))
@@ -149,8 +172,8 @@ def plot_losses(metrics_path: str, out_png: str, vocab_size: int | None = None) 
 
     rows = read_metrics(metrics_path)
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
-    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
-    val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    train = [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None]
+    val = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
     if train:
         ax.plot(*zip(*train), label="train", linewidth=1)
     if val:

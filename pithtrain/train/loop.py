@@ -35,7 +35,7 @@ from pithtrain.train.corpus import tokenizer_fingerprint, vocabulary_fingerprint
 from pithtrain.train.data import GlobalBatchSampler, PackedDataset, batch_tensors, document_ids, validation_batches
 from pithtrain.train.hf import read_hf_config
 from pithtrain.train.log import QuietLog, RunLog, peak_memory_gb, plot_losses
-from pithtrain.train.optim import build_optimizer, clip_grad_norm, lr_at, set_hyperparameters, set_lr
+from pithtrain.train.optim import build_optimizer, clip_grad_norm, lr_at, optimizer_step, set_hyperparameters, set_lr
 
 
 def autocast_dtype(cfg: RunConfig, device_type: str) -> torch.dtype | None:
@@ -188,7 +188,7 @@ def train_step(model: CausalLM, optimizer, micro_batches: list, grad_clip: float
         losses.append(loss.detach())
     params = [p for p in model.parameters() if p.grad is not None]
     replicas = mesh.layout.dp_replicate if mesh is not None else 1
-    grad_norm = clip_grad_norm(params, grad_clip, mesh.data_group if mesh is not None else None, replicas)
+    grad_norm, clip = clip_grad_norm(params, grad_clip, mesh.data_group if mesh is not None else None, replicas)
     stop_requested = preemption is not None and preemption.flag
     reason, bad_ranks, stop = (guard.check(loss_sum, n_tokens, grad_norm, None, stop_requested) if guard is not None
                                else (None, [], False))
@@ -212,7 +212,7 @@ def train_step(model: CausalLM, optimizer, micro_batches: list, grad_clip: float
                              f"; {found}. Set train.nonfinite=skip to skip such steps, lower optim.lr, or resume "
                              "from an earlier checkpoint")
     if reason is None:
-        optimizer.step()
+        optimizer_step(optimizer, clip)
     optimizer.zero_grad(set_to_none=True)
     stats = [block.end_step(applied=reason is None) for block in model.moe_blocks()]
     aux = torch.stack([s["aux"] for s in stats]).sum() if stats else torch.zeros((), device=device)
@@ -319,7 +319,7 @@ def train(cfg: RunConfig) -> dict:
     device = mesh.device if mesh is not None else device
     rank0 = mesh is None or mesh.rank == 0
     val_batches = [rank_batches(val_ds, idx, d.micro_batch_size, mesh, d.document_mask) for idx in val_idx]
-    memory = estimate_for_run(cfg, layout.world, layout.cp, amp is not None, layout.data_ranks)
+    memory = estimate_for_run(cfg, layout.world, layout.cp, amp is not None, layout.data_ranks, sharded=launched)
     if device.type == "cuda":  # before anything is allocated
         check_fits(memory, torch.cuda.get_device_properties(device).total_memory, layout.world)
     model = build_for_training(cfg, device, mesh, amp)

@@ -16,16 +16,37 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _scale_grads(optimizer: torch.optim.Optimizer, scale: torch.Tensor) -> None:
+    grads = [_local(p.grad) for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, scale.to(grads[0].dtype))
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor | None) -> None:
+    """The step with clipping's factor (`clip_grad_norm`): folded into our AdamW's reading of the
+    gradients; any other optimizer gets them scaled first."""
+    if isinstance(optimizer, AdamW):
+        optimizer.step(grad_scale=grad_scale)
+        return
+    if grad_scale is not None:
+        _scale_grads(optimizer, grad_scale)
+    optimizer.step()
+
+
 class AdamW(torch.optim.AdamW):
     """torch.optim.AdamW (same hyperparameters, same state, so the same checkpoints), whose step on
     CUDA runs `ops/adamw.py`'s kernel once per parameter, on the local shard of an FSDP parameter.
-    Options the kernel does not cover (amsgrad, maximize, ...) and CPU take torch's own step."""
+    Options the kernel does not cover (amsgrad, maximize, ...) and CPU take torch's own step.
+    `step(grad_scale=s)` (a 0-d tensor, clipping's factor) steps as if every gradient were times s:
+    the kernel scales each gradient as it reads it; torch's step gets them scaled first."""
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, grad_scale: torch.Tensor | None = None):
         groups = self.param_groups
         if (closure is not None or any(g["amsgrad"] or g["maximize"] for g in groups)
                 or not all(use_triton(_local(p), ndim=None) for g in groups for p in g["params"])):
+            if grad_scale is not None:
+                _scale_grads(self, grad_scale)
             return super().step(closure)
         for group in groups:
             params = [p for p in group["params"] if p.grad is not None]
@@ -41,7 +62,7 @@ class AdamW(torch.optim.AdamW):
             for p in params:
                 s = self.state[p]
                 adamw_update(_local(p), _local(p.grad), _local(s["exp_avg"]), _local(s["exp_avg_sq"]), s["step"],
-                             float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"])
+                             float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"], grad_scale)
         return None
 
 
@@ -65,12 +86,16 @@ def set_hyperparameters(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> N
 
 
 def lr_at(step: int, total: int, cfg: OptimConfig) -> float:
-    """Learning rate of 0-based `step`: linear warmup to `lr`, then decay to `min_lr` at the end."""
+    """Learning rate of 0-based `step`: linear warmup to `lr` (reached at the last warmup step), then
+    decay to `min_lr`, reached at the last step (`total - 1`), also when it is the only step after
+    warmup; a run of one step and no warmup trains at `lr`."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     if cfg.decay == "constant":
         return cfg.lr
-    span = max(total - cfg.warmup_steps - 1, 1)
+    span = total - cfg.warmup_steps - 1
+    if span <= 0:
+        return cfg.min_lr if cfg.warmup_steps else cfg.lr
     progress = min((step - cfg.warmup_steps) / span, 1.0)
     if cfg.decay == "linear":
         return cfg.lr - (cfg.lr - cfg.min_lr) * progress
@@ -83,21 +108,24 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 
 @torch.no_grad()
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float, group=None, replicas: int = 1) -> torch.Tensor:
-    """Global gradient norm, and gradients scaled down to `max_norm` if above (0: no clipping).
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, group=None,
+                   replicas: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Global gradient norm, and the factor min(1, max_norm / norm) that clips the gradients to
+    `max_norm` (None for max_norm 0: no clipping), for `AdamW.step(grad_scale=)` to apply as it
+    reads them: the gradients are left as they are, and clipping makes no pass over them of its own.
 
-    Sharded gradients (DTensors of FSDP, on any mesh: dense parameters and experts alike) add
-    their local shards' squares; the sum over `group` (every rank of the stage) counts each
-    element once, `replicas` times under HSDP, which is divided out. One process: `group` None.
+    Each gradient's norm is one fp32 reduction over its stored values (no fp32 copy of them: the
+    estimate of tools/memory.py counts none). Sharded gradients (DTensors of FSDP, on any mesh:
+    dense parameters and experts alike) add their local shards' squares; the sum over `group`
+    (every rank of the stage) counts each element once, `replicas` times under HSDP, which is
+    divided out. One process: `group` None.
     """
-    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
+    grads = [_local(p.grad) for p in params if p.grad is not None]
     if not grads:
-        return torch.zeros(())
-    total = torch.stack([g.float().square().sum() for g in grads]).sum()
+        return torch.zeros(()), None
+    total = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
     if group is not None:
         dist.all_reduce(total, group=group)
         total = total / replicas
     norm = total.sqrt()
-    if max_norm > 0:
-        torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0).to(grads[0].dtype))
-    return norm
+    return norm, (max_norm / (norm + 1e-6)).clamp(max=1.0) if max_norm > 0 else None
