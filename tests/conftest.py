@@ -89,3 +89,18 @@ def run_cli(*args, env: dict | None = None, check: bool = True) -> subprocess.Co
 def losses(run_dir: str) -> dict[int, float]:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return {r["step"]: r["loss"] for r in map(json.loads, f)}
+
+
+def masked_middle_batches(vocab: int, micro: int, seq: int, count: int) -> list[tuple]:
+    """`count` micro-batches of random tokens whose labels in the middle half of every sequence
+    are ignored (-100): under cp=2 that is all of rank 1's two blocks."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(count):
+        win = torch.randint(0, vocab, (micro, seq + 1), generator=gen)
+        labels = win[:, 1:].clone()
+        labels[:, seq // 4:3 * seq // 4] = -100
+        out.append((win[:, :-1].contiguous(), labels))
+    return out

@@ -118,11 +118,11 @@ def test_layout_matches_single_process(tmp_path, tiny_corpus, reference, family,
     assert len(moved) > len(a) // 2, moved  # the runs trained: the comparison above is not of initial weights
 
 
-def run_worker(n: int, script: str, out) -> None:
-    """torchrun `n` gloo processes of tests/`script` with `out` as its argument; it must exit 0."""
+def run_worker(n: int, script: str, *args) -> None:
+    """torchrun `n` gloo processes of tests/`script` with `args`; it must exit 0."""
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-                           os.path.join(ROOT, "tests", script), str(out)], capture_output=True, text=True,
+                           os.path.join(ROOT, "tests", script), *map(str, args)], capture_output=True, text=True,
                           env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
@@ -135,6 +135,40 @@ def test_deduplicated_dispatch_rows_and_numerics(tmp_path):
     counts = json.loads(out.read_text())
     assert counts["send_splits"] == [4, 4] and counts["recv_splits"] == [4, 4]
     assert counts["counted"] == [15, 8]
+
+
+def test_balancing_losses_with_ignored_labels_under_cp(tmp_path):
+    """cp=2 where one rank's blocks hold no target (labels -100): the sequence balancing loss (an
+    all-reduce over the cp ranks) and the z-loss run on both ranks (a rank with no targets skipped
+    the all-reduce and the step hung), and loss, grad norm and gradients equal one process (each
+    rank's balancing losses were weighted by its own targets, off by up to 29%)."""
+    from conftest import masked_middle_batches
+    from pithtrain.train.loop import build_for_training, train_step
+
+    model, _ = FAMILIES["deepseek_v2"]
+    toml = write_run(tmp_path, "unused", "device = \"cpu\"\n[moe]\naux_loss = \"sequence\"\naux_loss_coef = 0.1\n"
+                     "z_loss_coef = 0.1\n")
+    (tmp_path / "config.json").write_text(json.dumps(model))
+    run_worker(2, "aux_worker.py", toml, tmp_path / "cp2.pt")
+    got = torch.load(tmp_path / "cp2.pt")
+    cfg = load_config(toml)
+    one = build_for_training(cfg, torch.device("cpu"))
+    grads = {}
+
+    class Keep:
+        def step(self):
+            grads.update({n: p.grad.clone() for n, p in one.named_parameters() if p.grad is not None})
+
+        def zero_grad(self, set_to_none=True):
+            one.zero_grad(set_to_none=True)
+
+    batches = [(ids, labels, None, None) for ids, labels in masked_middle_batches(model["vocab_size"], 2, 32, 2)]
+    out = train_step(one, Keep(), batches, 0.0, torch.device("cpu"), None)
+    assert got["loss"] == pytest.approx(out["loss"].item(), rel=1e-5)
+    assert got["grad_norm"] == pytest.approx(out["grad_norm"].item(), rel=1e-5)
+    assert got["grads"].keys() == grads.keys()
+    for name, g in grads.items():
+        torch.testing.assert_close(got["grads"][name], g, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_dispatch_row_count_formula():

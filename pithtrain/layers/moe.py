@@ -297,8 +297,8 @@ class MoEBlock(nn.Module):
     def route(self, x: torch.Tensor, aux_weight: float) -> tuple[torch.Tensor, RoutePlan]:
         """x [B, S, H] (normed) -> expert-sorted rows [N*k, H] and the plan.
 
-        `aux_weight` scales the balancing losses of this micro-batch (its share of the step's
-        tokens); 0 turns them off (evaluation).
+        `aux_weight` scales the balancing losses of this micro-batch (`loop.train_step`); None turns
+        them off. A weight of 0 still computes them (their collectives run on every rank alike).
         """
         B, S, H = x.shape
         flat = x.reshape(-1, H)
@@ -310,7 +310,7 @@ class MoEBlock(nn.Module):
                     counts = counts.float()
                     dist.all_reduce(counts, group=self.stats_group)
                 self.load += counts
-        loss = self._balance_loss(logits, probs, ids, counts, B) if aux_weight and self.training else None
+        loss = self._balance_loss(logits, probs, ids, counts, B) if aux_weight is not None and self.training else None
         if loss is not None:
             loss = loss * aux_weight
             self.aux_total += loss.detach()

@@ -35,7 +35,7 @@ class ForwardContext:
 
     cos: torch.Tensor
     sin: torch.Tensor
-    aux_weight: float = 0.0  # share of the step's tokens in this micro-batch; 0: no balancing loss
+    aux_weight: float | None = None  # this rank's weight of the balancing losses (loop.train_step); None: none
     cp: object = None  # parallel.context.ContextGroup when the sequence is split over ranks
     docs: torch.Tensor | None = None  # [B, S] document index of each token (document masking)
     masks: dict | None = None  # FlexAttention block masks by window (CUDA, when a mask is needed)
@@ -191,7 +191,7 @@ class CausalLM(nn.Module):
             active -= self.model.embed_tokens.weight.numel()
         return total, active
 
-    def context(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, aux_weight: float,
+    def context(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, aux_weight: float | None,
                 dtype: torch.dtype, doc_ids: torch.Tensor | None = None) -> ForwardContext:
         B, S = input_ids.shape
         if doc_ids is not None and self.cp is not None:
@@ -212,7 +212,7 @@ class CausalLM(nn.Module):
         return ForwardContext(cos, sin, aux_weight, self.cp, doc_ids, masks)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, aux_weight: float = 0.0,
+                position_ids: torch.Tensor | None = None, aux_weight: float | None = None,
                 doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, S, V], or with `labels` the summed cross-entropy over labels != -100.
         `doc_ids` [B, S] (non-decreasing along each sequence) turns on document masking: a token

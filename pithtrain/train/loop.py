@@ -168,15 +168,19 @@ def train_step(model: CausalLM, optimizer, micro_batches: list, grad_clip: float
     Returns device tensors; host synchronisations: the global token count (distributed) and the
     guard's decision."""
     counts = [int((mb[1] != -100).sum()) for mb in micro_batches]  # on the host, before upload
+    ranks = 1
+    if mesh is not None:  # each micro-batch's targets on every rank of the stage (the same micro-batches)
+        counts = [int(c) for c in _sum(torch.tensor(counts, device=device, dtype=torch.float64), mesh).tolist()]
+        ranks = dist.get_world_size(mesh.data_group)
     n_tokens = sum(counts)
-    if mesh is not None:
-        n_tokens = int(_sum(torch.tensor([n_tokens], device=device), mesh).item())
     inject_failure(step)
     loss_sum = torch.zeros((), device=device)
     losses = []  # each micro-batch's loss (detached; looked at only if the step halts)
     for mb, count in zip(micro_batches, counts):
         ids, labels, pos, docs = _device_batch(mb, device)
-        share = count / n_tokens
+        # Balancing losses: the single-process value weights micro-batch i by its share of the step's
+        # targets, and its P by all its tokens; every rank holds as many of those, so 1/ranks of the share.
+        share = count / n_tokens / ranks
         with autocast(device, amp):
             loss = model(ids, labels=labels, position_ids=pos, aux_weight=share, doc_ids=docs)
         if injected("nan-loss", step):
