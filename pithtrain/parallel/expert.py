@@ -98,8 +98,9 @@ def plan(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ep: ExpertGr
     pairs = count(dest, ep.size)
     recv = torch.empty(2 * ep.size, dtype=counts.dtype, device=counts.device)
     dist.all_to_all_single(recv, torch.stack([counts[:ep.size], pairs], 1).reshape(-1).contiguous(), group=ep.group)
-    send_splits = counts[:ep.size].tolist()
-    recv = recv.view(ep.size, 2).tolist()  # host synchronisation: split sizes for the all-to-all
+    # the one host synchronisation: the split sizes the all-to-all needs on the host
+    sizes = torch.cat([counts[:ep.size], recv]).tolist()
+    send_splits, recv = sizes[:ep.size], [sizes[ep.size + 2 * r:ep.size + 2 * r + 2] for r in range(ep.size)]
     n_send = sum(send_splits)
     order = order[:n_send]
     pos = torch.full((N * k,), n_send, dtype=order.dtype, device=order.device)

@@ -105,6 +105,8 @@ class RunLog:
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
             f.writelines(keep)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, self.path)
         return torn
 
@@ -132,6 +134,12 @@ class RunLog:
         if self.wandb is not None:
             self.wandb.log(scalars, step=r["step"])
 
+    def sync(self) -> None:
+        """Flush the records to disk; called before each checkpoint, so a checkpoint that survives a
+        crash or power loss never has a gap before it in metrics.jsonl."""
+        self.file.flush()
+        os.fsync(self.file.fileno())
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
@@ -152,6 +160,9 @@ class QuietLog:
         pass
 
     def record(self, r: dict, console: bool = True) -> None:
+        pass
+
+    def sync(self) -> None:
         pass
 
     def close(self) -> None:

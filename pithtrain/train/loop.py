@@ -449,6 +449,7 @@ def train(cfg: RunConfig) -> dict:
         paused = is_last and done < cfg.train.steps  # stop_at: always saved, to resume from
         if (every and done % every == 0) or (is_last and cfg.checkpoint.save_final) or paused or stop:
             t_save = time.perf_counter()
+            log.sync()
             checkpoint.save(ckpt_dir, done, model, optimizer,
                             {"data": sampler.state_dict(), "lr": lr, "tokenizer": corpus_tokenizer,
                              "guard": guard.state_dict()},
