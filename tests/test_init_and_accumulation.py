@@ -74,3 +74,27 @@ def test_clipping_matches_torch():
         ref_params = dict(ref.named_parameters())
         for name, p in ours.named_parameters():
             assert torch.allclose(p, ref_params[name], rtol=1e-5, atol=1e-7), name
+
+
+def test_train_step_with_a_bare_optimizer_and_no_targets():
+    """Any object with step() and zero_grad() serves as the optimizer, clipping included (the
+    gradients are scaled before its step); a step whose every label is ignored is refused."""
+    import pytest
+
+    model = build_model(TINY_MODEL)
+    init_weights(model, seed=0)
+    ids = torch.randint(0, TINY_MODEL["vocab_size"], (2, 16))
+    labels = torch.randint(0, TINY_MODEL["vocab_size"], (2, 16))
+    seen = {}
+
+    class Bare:
+        def step(self):
+            seen["norm"] = torch.sqrt(sum(p.grad.square().sum() for p in model.parameters() if p.grad is not None))
+
+        def zero_grad(self, set_to_none=True):
+            model.zero_grad(set_to_none=True)
+
+    out = train_step(model, Bare(), [(ids, labels)], 0.01, torch.device("cpu"), None)
+    assert out["grad_norm"] > 0.1 and torch.allclose(seen["norm"], torch.tensor(0.01), rtol=1e-4)
+    with pytest.raises(ValueError, match="every label of the step is -100"):
+        train_step(model, Bare(), [(ids, torch.full_like(labels, -100))], 1.0, torch.device("cpu"), None)

@@ -232,3 +232,37 @@ def test_resumed_log_drops_later_steps_and_a_torn_line(tmp_path, capsys):
     from pithtrain.train.log import plot_losses
 
     assert os.path.getsize(plot_losses(str(tmp_path / "metrics.jsonl"), str(tmp_path / "loss.png"))) > 0
+
+
+def test_wandb_runs_of_one_training_run_share_a_group(tmp_path, monkeypatch, capsys):
+    """Each invocation is a wandb run of its own in the training run's group (read back on resume,
+    new from step 0); a wandb.init that fails (no login) is said, and logging goes on without it."""
+    import sys
+    import types
+
+    from pithtrain.train.log import RunLog
+
+    calls = []
+
+    def init(**kw):
+        calls.append(kw)
+        if kw["name"].endswith("-7"):
+            raise RuntimeError("No API key configured\nmore")
+        return types.SimpleNamespace(log=lambda *a, **k: None, finish=lambda: None)
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+
+    def open_log(start):
+        log = RunLog(str(tmp_path), 10, start, progress=False, tensorboard=False, wandb=True, wandb_project="p",
+                     config={})
+        log.record({"step": start + 1, "loss": 1.0}, console=False)
+        log.close()
+
+    open_log(0)
+    open_log(3)
+    open_log(7)
+    open_log(0)
+    groups = [c["group"] for c in calls]
+    assert groups[0] == groups[1] == groups[2] != groups[3]
+    assert [c["name"].rsplit("-", 1)[1] for c in calls] == ["0", "3", "7", "0"]
+    assert "wandb did not start (RuntimeError: No API key configured)" in capsys.readouterr().out

@@ -434,6 +434,7 @@ def dcp_to_hf(ckpt: str, out: str, hf_config: dict | None = None, tokenizer: str
         raise
     if os.path.exists(out):
         raise CheckpointError(f"{out} appeared while converting; the result is left in {tmp}")
+    _fsync_dir(tmp)
     os.replace(tmp, out)
     _fsync_dir(os.path.dirname(os.path.abspath(out)))
     return {"shards": len(shards), "tensors": len(weight_map), "tokenizer_files": copied}

@@ -65,26 +65,31 @@ class RunLog:
             except ImportError:
                 self.say("log.wandb = true but wandb is not installed; pip install wandb")
             else:
-                try:  # the run's id is kept in the run dir, so a resume continues the same wandb run
-                    self.wandb = wandb_lib.init(project=wandb_project, dir=run_dir, config=config,
-                                                id=self._wandb_id(run_dir), resume="allow")
+                # Each invocation is its own wandb run, in one group per training run (kept in the run
+                # dir): a resume from step N logs steps N+1.. afresh, where continuing the earlier wandb
+                # run would drop them (wandb ignores steps below the last one it holds).
+                group = self._wandb_group(run_dir, start_step)
+                try:
+                    self.wandb = wandb_lib.init(project=wandb_project, dir=run_dir, config=config, group=group,
+                                                name=f"{group}-from-step-{start_step}")
                 except Exception as e:  # no login, no network, ...: training goes on, metrics.jsonl has it all
                     self.say(f"log.wandb = true but wandb did not start ({type(e).__name__}: "
                              f"{str(e).splitlines()[0] if str(e) else ''}); training goes on without it "
                              "(every record is in metrics.jsonl); run `wandb login` or set log.wandb=false")
 
     @staticmethod
-    def _wandb_id(run_dir: str) -> str:
-        path = os.path.join(run_dir, "wandb_run_id")
-        if os.path.isfile(path):
+    def _wandb_group(run_dir: str, start_step: int) -> str:
+        """The run's wandb group: read back on resume, new for a run from step 0."""
+        path = os.path.join(run_dir, "wandb_group")
+        if start_step and os.path.isfile(path):
             with open(path) as f:
-                run_id = f.read().strip()
-            if run_id:
-                return run_id
-        run_id = uuid.uuid4().hex[:12]
+                group = f.read().strip()
+            if group:
+                return group
+        group = f"{os.path.basename(os.path.abspath(run_dir))}-{uuid.uuid4().hex[:8]}"
         with open(path, "w") as f:
-            f.write(run_id + "\n")
-        return run_id
+            f.write(group + "\n")
+        return group
 
     def _truncate_after(self, step: int) -> int:
         """On resume, drop records of steps after the checkpoint, so the log continues cleanly, and

@@ -173,6 +173,8 @@ def train_step(model: CausalLM, optimizer, micro_batches: list, grad_clip: float
         counts = [int(c) for c in _sum(torch.tensor(counts, device=device, dtype=torch.float64), mesh).tolist()]
         ranks = dist.get_world_size(mesh.data_group)
     n_tokens = sum(counts)
+    if n_tokens == 0:
+        raise ValueError(f"step {step}: every label of the step is -100 (ignored): there is nothing to train on")
     inject_failure(step)
     loss_sum = torch.zeros((), device=device)
     losses = []  # each micro-batch's loss (detached; looked at only if the step halts)
@@ -216,7 +218,7 @@ def train_step(model: CausalLM, optimizer, micro_batches: list, grad_clip: float
                              f"; {found}. Set train.nonfinite=skip to skip such steps, lower optim.lr, or resume "
                              "from an earlier checkpoint")
     if reason is None:
-        optimizer_step(optimizer, clip)
+        optimizer_step(optimizer, clip, params)
     optimizer.zero_grad(set_to_none=True)
     stats = [block.end_step(applied=reason is None) for block in model.moe_blocks()]
     aux = torch.stack([s["aux"] for s in stats]).sum() if stats else torch.zeros((), device=device)
@@ -358,8 +360,9 @@ def train(cfg: RunConfig) -> dict:
         sampler.load_state_dict(state["data"])
         if state["data"]["global_batch"] != d.global_batch_size:
             notes.append(f"data.global_batch_size changed from {state['data']['global_batch']} to "
-                           f"{d.global_batch_size}: training goes on from the same data position; the validation "
-                           "set (the first data.val_batches global batches) changes with it")
+                           f"{d.global_batch_size}: training goes on from the same data position"
+                           + ("; the validation set (the first data.val_batches global batches) changes with it"
+                              if d.val_batches else ""))
         set_hyperparameters(optimizer, cfg.optim)
         if start >= cfg.train.steps:
             raise ConfigError(f"{path} is at step {start}, train.steps = {cfg.train.steps}: the run is done; raise "

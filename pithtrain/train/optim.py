@@ -16,20 +16,20 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _scale_grads(optimizer: torch.optim.Optimizer, scale: torch.Tensor) -> None:
-    grads = [_local(p.grad) for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+def _scale_grads(params, scale: torch.Tensor) -> None:
+    grads = [_local(p.grad) for p in params if p.grad is not None]
     if grads:
         torch._foreach_mul_(grads, scale.to(grads[0].dtype))
 
 
-def optimizer_step(optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor | None) -> None:
-    """The step with clipping's factor (`clip_grad_norm`): folded into our AdamW's reading of the
-    gradients; any other optimizer gets them scaled first."""
+def optimizer_step(optimizer, grad_scale: torch.Tensor | None, params: list[torch.Tensor]) -> None:
+    """The step with clipping's factor (`clip_grad_norm` over `params`): folded into our AdamW's
+    reading of the gradients; any other optimizer (anything with `step()`) gets them scaled first."""
     if isinstance(optimizer, AdamW):
         optimizer.step(grad_scale=grad_scale)
         return
     if grad_scale is not None:
-        _scale_grads(optimizer, grad_scale)
+        _scale_grads(params, grad_scale)
     optimizer.step()
 
 
@@ -46,7 +46,7 @@ class AdamW(torch.optim.AdamW):
         if (closure is not None or any(g["amsgrad"] or g["maximize"] for g in groups)
                 or not all(use_triton(_local(p), ndim=None) for g in groups for p in g["params"])):
             if grad_scale is not None:
-                _scale_grads(self, grad_scale)
+                _scale_grads([p for g in groups for p in g["params"]], grad_scale)
             return super().step(closure)
         for group in groups:
             params = [p for p in group["params"] if p.grad is not None]
