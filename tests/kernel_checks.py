@@ -123,7 +123,8 @@ def check_permute(device: str) -> None:
 def check_cross_entropy_rows(device: str) -> None:
     """ce_forward (row losses, log-sum-exps) and ce_backward (the logits' gradient times a scale,
     written over them) against their twins, with ignored rows, a vocabulary that is not a multiple
-    of the block, and a row whose label is the last column."""
+    of the block, a row whose label is the last column, and labels outside the vocabulary (NaN
+    loss, no read outside the row)."""
     assert ce.use_triton(torch.empty(1, 2, device=device)), "the Triton path is not taken"
     gen = torch.Generator(device).manual_seed(2)
     cases = [(5, 5000), (3, 7), (0, 100)] + ([(64, 151936), (33, 1000)] if device == "cuda" else [])
@@ -136,13 +137,18 @@ def check_cross_entropy_rows(device: str) -> None:
             if n:
                 labels[0] = V - 1
                 labels[n // 2] = -100
+            outside = [1, n - 1] if n > 3 else []
+            labels[outside] = torch.tensor([V, -3], device=device)[:len(outside)]
             want_loss, want_lse = ce.ce_forward_reference(logits, labels, -100)
             want_g = ce.ce_backward_reference(logits, want_lse, labels, -100, scale)
             loss, lse = ce.ce_forward(logits, labels, -100)
             buf = logits.clone()
             g = ce.ce_backward(buf, lse, labels, -100, scale)
             assert n == 0 or g.data_ptr() == buf.data_ptr(), "the gradient is not written over the logits"
-            for got, want in [(loss, want_loss), (lse, want_lse), (g, want_g)]:
+            assert loss[outside].isnan().all() and want_loss[outside].isnan().all(), (n, V)
+            keep = torch.ones(n, dtype=torch.bool, device=device)
+            keep[outside] = False
+            for got, want in [(loss[keep], want_loss[keep]), (lse, want_lse), (g, want_g)]:
                 err = ((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-30)).item()
                 assert err < tol, (n, V, dtype, err)
             if n:

@@ -53,8 +53,9 @@ if triton is not None:
         lse = big + tl.log(tl.sum(s * tl.exp(m - big), 0))
         label = tl.load(labels_ptr + row)
         valid = label != ignore_index
-        picked = tl.load(base + tl.where(valid, label, 0)).to(tl.float32)
-        tl.store(loss_ptr + row, tl.where(valid, lse - picked, 0.0))
+        inside = (label >= 0) & (label < V)  # a label outside the vocabulary: NaN loss, no stray read
+        picked = tl.load(base + tl.where(valid & inside, label, 0)).to(tl.float32)
+        tl.store(loss_ptr + row, tl.where(valid, tl.where(inside, lse - picked, float("nan")), 0.0))
         tl.store(lse_ptr + row, lse)
 
     @triton.jit
@@ -97,12 +98,14 @@ def scaled(x: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
 
 
 def ce_forward_reference(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int):
-    """Row losses (fp32, 0 where ignored) and row log-sum-exps (fp32). The twin of `ce_forward`."""
+    """Row losses (fp32, 0 where ignored, NaN where the label is outside the vocabulary, so the
+    step guard halts) and row log-sum-exps (fp32). The twin of `ce_forward`."""
     logits32 = logits.float()
     valid = labels != ignore_index
+    inside = (labels >= 0) & (labels < logits.shape[1])
     lse = torch.logsumexp(logits32, dim=-1)
-    picked = logits32.gather(1, torch.where(valid, labels, 0)[:, None]).squeeze(1)
-    return torch.where(valid, lse - picked, 0.0), lse
+    picked = logits32.gather(1, torch.where(valid & inside, labels, 0)[:, None]).squeeze(1)
+    return torch.where(valid, torch.where(inside, lse - picked, float("nan")), 0.0), lse
 
 
 def ce_backward_reference(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, ignore_index: int,
@@ -110,8 +113,9 @@ def ce_backward_reference(logits: torch.Tensor, lse: torch.Tensor, labels: torch
     """(softmax - onehot(label)) * scale (0 on ignored rows) in the logits' dtype, from the row
     log-sum-exps; `scale` a 0-dim tensor. The twin of `ce_backward`."""
     valid = labels != ignore_index
+    inside = (labels >= 0) & (labels < logits.shape[1])
     g = (logits.float() - lse[:, None]).exp_()
-    g[torch.arange(g.shape[0], device=g.device), torch.where(valid, labels, 0)] -= 1.0
+    g[torch.arange(g.shape[0], device=g.device), torch.where(valid & inside, labels, 0)] -= (valid & inside).float()
     return g.mul_((valid * scale.float())[:, None]).to(logits.dtype)
 
 
