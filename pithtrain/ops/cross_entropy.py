@@ -23,7 +23,9 @@ exp, sum, log), exp, subtract, the one-hot update and the mask, each a full pass
 of bf16 (H200: 0.70 ms for the log-sum-exp pass, 1.3 ms for the gradient pass). Folding the scale
 into the gradient pass removed a 0.3 ms pass over Qwen3's dW (and a small one over dh). The twins
 are `ce_forward_reference` / `ce_backward_reference`; the torch twin of the whole op is
-`linear_cross_entropy_reference` (F.linear then F.cross_entropy).
+`linear_cross_entropy_reference` (F.linear then F.cross_entropy). A label outside the vocabulary
+(neither in [0, V) nor the ignore index) gives its row a NaN loss, which the step guard reports,
+rather than a read outside the row.
 """
 
 import torch
