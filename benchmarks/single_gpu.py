@@ -1,7 +1,7 @@
 """PithTrain vs Hugging Face transformers on one GPU, same config, same weights, same process.
 
     PYTHONPATH=. python benchmarks/single_gpu.py [--model qwen3_30b_a3b] [--layers 4] [--seq 4096]
-                                                [--mbs 2] [--steps 5] [--clip 1.0]
+                                                [--mbs 2] [--steps 5] [--clip 1.0] [--step loop]
 
 Builds a `--layers`-layer proxy of an example model (`examples/<model>/config.json`: Qwen3-30B-A3B,
 DeepSeek-V2-Lite, GPT-OSS-20B), initialises ours, loads the same weights into the transformers
@@ -80,6 +80,34 @@ def time_steps(step, warmup: int, steps: int, protocol: str = "step") -> float:
     return statistics.median(times)
 
 
+def ours_step(model, opt, inputs: torch.Tensor, labels: torch.Tensor, step: str = "bench", clip: float = 0.0,
+              autocast: bool = False):
+    """Our training step as timed; `step(read_loss)` as `time_steps` calls it. `bench`: forward,
+    backward, clipping if `clip`, AdamW. `loop`: what `pithtrain train` runs, `train.loop.train_step`
+    on a host batch (its upload, the target count, clipping, the guard's decision, one host
+    synchronisation, the MoE statistics), so the difference between the two is the loop's own cost."""
+    from pithtrain.train.guard import StepGuard
+    from pithtrain.train.loop import train_step
+    from pithtrain.train.optim import clip_grad_norm
+
+    tokens, dev = labels.numel(), inputs.device
+    if step == "loop":
+        guard, batch = StepGuard("halt", 0, 0.0, 1), [(inputs.cpu(), labels.cpu())]
+        amp = torch.bfloat16 if autocast else None
+        return lambda read_loss=False: train_step(model, opt, batch, clip, dev, amp, guard=guard)
+
+    def run(read_loss: bool = False):
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = model(inputs, labels=labels) / tokens
+        loss.backward()
+        if read_loss:
+            loss.item()
+        scale = clip_grad_norm(list(model.parameters()), clip)[1] if clip else None
+        opt.step(grad_scale=scale)
+        opt.zero_grad(set_to_none=True)
+    return run
+
+
 def matmul_ceiling() -> float:
     """bf16 8192^3 matmul TFLOP/s on this GPU now (median of 20): the MFU denominator we can reach."""
     a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -140,6 +168,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--only", choices=["ours", "hf", "both"], default="both")
+    p.add_argument("--step", choices=["bench", "loop"], default="bench",
+                   help="ours: forward, backward, clipping and AdamW (bench), or `pithtrain train`'s train_step (loop)")
     p.add_argument("--clip", type=float, default=0.0, help="clip the gradients' norm to this, as trainers do "
                    "(both default to 1.0): ours as `pithtrain train` does, HF with torch.nn.utils.clip_grad_norm_")
     p.add_argument("--profile", default="", help="also profile two steps of each: kernel table + trace in DIR/ours, DIR/hf")
@@ -168,7 +198,7 @@ def main() -> None:
     from pithtrain.layers.transformer import cast_parameters, init_weights
     from pithtrain.models import build_model
     from pithtrain.tools.memory import estimate
-    from pithtrain.train.optim import AdamW, clip_grad_norm
+    from pithtrain.train.optim import AdamW
 
     with torch.device(dev):
         ours = build_model(cfg)
@@ -183,16 +213,7 @@ def main() -> None:
         if args.compile == "on":
             ours.compile_dense()
         opt = AdamW(ours.parameters(), lr=1e-4, fused=True)  # ours: one Triton kernel per parameter
-
-        def step_ours(read_loss: bool = False):
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.weights == "fp32"):
-                loss = ours(inputs, labels=labels) / tokens
-            loss.backward()
-            if read_loss:
-                loss.item()
-            scale = clip_grad_norm(list(ours.parameters()), args.clip)[1] if args.clip else None
-            opt.step(grad_scale=scale)
-            opt.zero_grad(set_to_none=True)
+        step_ours = ours_step(ours, opt, inputs, labels, args.step, args.clip, autocast=args.weights == "fp32")
 
         results["ours"] = measure(step_ours, args, tokens, fpt, ceiling)
         est = estimate(ours, tokens=tokens, param_dtype=args.weights, autocast=args.weights == "fp32",
@@ -243,7 +264,7 @@ def main() -> None:
         results["ratio_peak_mem"] = results["ours"]["peak_gb"] / results["hf"]["peak_gb"]
     results["config"] = dict(model=args.model, layers=args.layers, seq=args.seq, mbs=args.mbs, steps=args.steps,
                              weights=args.weights, compile=args.compile, recompute=args.recompute, ce_chunk=args.ce_chunk,
-                             clip=args.clip,
+                             clip=args.clip, step=args.step,
                              flops_per_token=fpt, device=torch.cuda.get_device_name())
     print(json.dumps(results, indent=1))
 

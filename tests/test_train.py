@@ -266,3 +266,31 @@ def test_wandb_runs_of_one_training_run_share_a_group(tmp_path, monkeypatch, cap
     assert groups[0] == groups[1] == groups[2] != groups[3]
     assert [c["name"].rsplit("-", 1)[1] for c in calls] == ["0", "3", "7", "0"]
     assert "wandb did not start (RuntimeError: No API key configured)" in capsys.readouterr().out
+
+
+def test_benchmark_steps_train_on_cpu():
+    """benchmarks/single_gpu.py's two forms of our step (`bench`: forward, backward, clipping, AdamW;
+    `loop`: train_step as `pithtrain train` runs it) both train: with the same clipping and
+    weights they take the same step."""
+    import importlib.util
+
+    from conftest import ROOT, TINY_MODEL
+    from pithtrain.layers.transformer import init_weights
+    from pithtrain.models import build_model
+    from pithtrain.train.optim import AdamW
+
+    spec = importlib.util.spec_from_file_location("single_gpu", os.path.join(ROOT, "benchmarks", "single_gpu.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    ids = torch.randint(0, TINY_MODEL["vocab_size"], (2, 17), generator=torch.Generator().manual_seed(0))
+    after = []
+    for form in ("bench", "loop"):
+        model = build_model(TINY_MODEL)
+        init_weights(model, 0)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        step = bench.ours_step(model, AdamW(model.parameters(), lr=1e-3), ids[:, :-1], ids[:, 1:], form, clip=0.05)
+        step(True)
+        assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters() if n.endswith("proj.weight"))
+        after.append(dict(model.named_parameters()))
+    for name, p in after[0].items():
+        torch.testing.assert_close(p, after[1][name], rtol=1e-5, atol=1e-6, msg=name)
