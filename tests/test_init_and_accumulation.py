@@ -64,7 +64,8 @@ def test_clipping_matches_torch():
     model = build_model(TINY_MODEL)
     init_weights(model, seed=0)
     for make in (lambda m: torch.optim.SGD(m.parameters(), lr=1.0),
-                 lambda m: build_optimizer(m, OptimConfig(lr=1e-2, weight_decay=0.1))):
+                 # eps 1: AdamW's step follows the gradient's size, so a missed factor shows
+                 lambda m: build_optimizer(m, OptimConfig(lr=1e-2, weight_decay=0.1, eps=1.0))):
         ours, ref = copy.deepcopy(model), copy.deepcopy(model)
         out = train_step(ours, make(ours), [(ids, labels)], 0.05, torch.device("cpu"), None)
         (ref(ids, labels=labels) / labels.numel()).backward()

@@ -270,8 +270,8 @@ def test_wandb_runs_of_one_training_run_share_a_group(tmp_path, monkeypatch, cap
 
 def test_benchmark_steps_train_on_cpu():
     """benchmarks/single_gpu.py's two forms of our step (`bench`: forward, backward, clipping, AdamW;
-    `loop`: train_step as `pithtrain train` runs it) both train: with the same clipping and
-    weights they take the same step."""
+    `loop`: train_step as `pithtrain train` runs it) take the same step with the same clipping, and
+    one without clipping differs (AdamW's eps of 1 keeps the update proportional to the gradient)."""
     import importlib.util
 
     from conftest import ROOT, TINY_MODEL
@@ -284,13 +284,14 @@ def test_benchmark_steps_train_on_cpu():
     spec.loader.exec_module(bench)
     ids = torch.randint(0, TINY_MODEL["vocab_size"], (2, 17), generator=torch.Generator().manual_seed(0))
     after = []
-    for form in ("bench", "loop"):
+    for form, clip in (("bench", 0.05), ("loop", 0.05), ("bench", 0.0)):
         model = build_model(TINY_MODEL)
         init_weights(model, 0)
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
-        step = bench.ours_step(model, AdamW(model.parameters(), lr=1e-3), ids[:, :-1], ids[:, 1:], form, clip=0.05)
-        step(True)
+        opt = AdamW(model.parameters(), lr=1e-1, eps=1.0)
+        bench.ours_step(model, opt, ids[:, :-1], ids[:, 1:], form, clip=clip)(True)
         assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters() if n.endswith("proj.weight"))
         after.append(dict(model.named_parameters()))
     for name, p in after[0].items():
         torch.testing.assert_close(p, after[1][name], rtol=1e-5, atol=1e-6, msg=name)
+    assert not torch.allclose(after[0]["lm_head.weight"], after[2]["lm_head.weight"], rtol=1e-3, atol=1e-6)

@@ -294,7 +294,7 @@ class MoEBlock(nn.Module):
         order, inverse, counts = sort_by_expert(ids, self.num_experts)
         return logits, probs, weights, ids, order, inverse, counts, torch.cumsum(counts, 0).to(torch.int32)
 
-    def route(self, x: torch.Tensor, aux_weight: float) -> tuple[torch.Tensor, RoutePlan]:
+    def route(self, x: torch.Tensor, aux_weight: float | None) -> tuple[torch.Tensor, RoutePlan]:
         """x [B, S, H] (normed) -> expert-sorted rows [N*k, H] and the plan.
 
         `aux_weight` scales the balancing losses of this micro-batch (`loop.train_step`); None turns

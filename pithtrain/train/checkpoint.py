@@ -78,7 +78,7 @@ def fault_point(name: str, step: int) -> None:
         os._exit(137)
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -198,11 +198,11 @@ def finalize_dir(tmp: str, final: str, info: dict) -> None:
     crcs = _checksums(tmp, names)
     files = {n: {"bytes": os.path.getsize(os.path.join(tmp, n)), "crc32": crcs[n]} for n in names}
     _write_json(os.path.join(tmp, MARKER), {**info, "files": files})
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     if os.path.exists(final):
         raise CheckpointError(f"{final} exists; it is not replaced")
     os.replace(tmp, final)
-    _fsync_dir(os.path.dirname(os.path.abspath(final)))
+    fsync_dir(os.path.dirname(os.path.abspath(final)))
 
 
 def _what_it_is(path: str) -> str:
@@ -324,7 +324,7 @@ def clean_partial(root: str) -> list[str]:
             if not os.path.exists(final) and _passes(path):
                 set_aside(root, int(name[-8:]) + 1)  # as a save does when it starts (earlier versions did later)
                 os.replace(path, final)
-                _fsync_dir(root)
+                fsync_dir(root)
                 continue
             shutil.rmtree(path, ignore_errors=True)
             removed.append(name)
@@ -345,7 +345,7 @@ def set_aside(root: str, step: int) -> list[str]:
             os.replace(path, aside)
             moved.append(os.path.basename(aside))
     if moved:
-        _fsync_dir(root)
+        fsync_dir(root)
         logger.warning("checkpoints at or after step %d are not on this run's timeline (it resumed from an earlier "
                        "step, or passed over them as invalid); moved aside in %s: %s", step, root, ", ".join(moved))
     return moved
