@@ -137,6 +137,11 @@ def test_deduplicated_dispatch_rows_and_numerics(tmp_path):
     assert counts["counted"] == [15, 8]
 
 
+def test_clip_norm_joined_by_a_rank_without_gradients():
+    """A rank with no gradient joins the norm's all-reduce, and gets the global norm (the worker checks)."""
+    run_worker(2, "clip_worker.py")
+
+
 def test_balancing_losses_with_ignored_labels_under_cp(tmp_path):
     """cp=2 where one rank's blocks hold no target (labels -100): the sequence balancing loss (an
     all-reduce over the cp ranks) and the z-loss run on both ranks (a rank with no targets skipped

@@ -121,9 +121,10 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, group=None,
     divided out. One process: `group` None.
     """
     grads = [_local(p.grad) for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros(()), None
-    total = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
+    if grads:
+        total = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
+    else:  # nothing here, but the all-reduce below is joined all the same: the other ranks wait on it
+        total = torch.zeros((), device=params[0].device if params else "cpu")
     if group is not None:
         dist.all_reduce(total, group=group)
         total = total / replicas
