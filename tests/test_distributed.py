@@ -184,6 +184,22 @@ def test_dispatch_row_count_formula():
     assert dispatch_rows(ids, 8, 1) == (12, 3)
 
 
+def test_direct_callers_get_errors_for_uneven_splits():
+    """The splits that plan_layout checks for runs are also checked for direct callers: a sequence
+    that 2 x cp blocks do not divide, a cp rank out of range, experts that ep does not divide."""
+    from pithtrain.parallel.context import shard_sequence
+    from pithtrain.parallel.expert import ExpertGroup
+
+    t = torch.arange(12).view(1, 12)
+    assert shard_sequence(t, 2, 1).tolist() == [[3, 4, 5, 6, 7, 8]]  # blocks 1 and 2 of 4
+    for length, rank in ((10, 0), (12, 2)):
+        with pytest.raises(ValueError, match="multiple of 2 x cp"):
+            shard_sequence(torch.arange(length).view(1, -1), 2, rank)
+    assert ExpertGroup(None, 4, 3, 8).per_rank == 2
+    with pytest.raises(ValueError, match="choose an ep that divides"):
+        ExpertGroup(None, 3, 0, 8)
+
+
 def test_checkpoint_reshards_across_layouts(tmp_path, tiny_corpus):
     """Saved under dp2 x ep2 after 2 steps; step 3 continued under ep4 and under one process equals the
     uninterrupted dp2 x ep2 run (and the continuing runs equal each other)."""

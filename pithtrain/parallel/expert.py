@@ -41,6 +41,11 @@ class ExpertGroup:
     rank: int
     num_experts: int  # global
 
+    def __post_init__(self):
+        if self.num_experts % self.size or not 0 <= self.rank < self.size:
+            raise ValueError(f"{self.num_experts} experts cannot be split evenly over ep = {self.size} ranks "
+                             f"(rank {self.rank}): choose an ep that divides the number of experts")
+
     @property
     def per_rank(self) -> int:
         return self.num_experts // self.size
