@@ -112,7 +112,8 @@ def test_hsdp_replicas_hold_whole_states():
 def test_fsdp_gathers_the_local_experts_and_the_head():
     """Several ranks: the gathered copies are the two largest layers (with this rank's 1/ep of the
     experts) plus the head, which stays gathered between its forward and backward; in bf16 under
-    autocast, else in the parameters' dtype."""
+    autocast, else in the parameters' dtype. The reduction buffers are the largest FSDP unit's
+    unsharded gradient (bf16 under autocast) and reduce-scatter input (fp32 under autocast)."""
     cfg = dict(CASES["qwen3"], vocab_size=512, mlp_only_layers=[])  # every layer alike
     with torch.device("meta"):
         model = build_model(cfg)
@@ -123,8 +124,13 @@ def test_fsdp_gathers_the_local_experts_and_the_head():
     for ep in (1, 2, 4):
         est = estimate(model, tokens=64, param_dtype="fp32", autocast=True, world=4, ep=ep)
         assert est.compute_copies == 2 * (2 * (dense + experts / ep) + head)
+        assert est.reduce_buffers == (2 + 4) * max(dense, experts / ep, head)
     fp32 = estimate(model, tokens=64, param_dtype="fp32", autocast=False, world=4, ep=2)
     assert fp32.compute_copies == 4 * (2 * (dense + experts / 2) + head)
+    assert fp32.reduce_buffers == (4 + 4) * max(dense, experts / 2, head)
+    alone = estimate(model, tokens=64, param_dtype="fp32", autocast=True)
+    assert alone.reduce_buffers == 0 and fp32.total > fp32.weights + fp32.optimizer + fp32.compute_copies + \
+        fp32.gradients + fp32.activations + fp32.head
     assert fp32.weights == estimate(model, tokens=64, param_dtype="fp32", autocast=False, world=4).weights
 
 

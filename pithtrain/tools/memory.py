@@ -10,6 +10,9 @@ allocated) and adds, per rank:
   parameters' dtype) of the two largest layers (the one computing, the one prefetched; a layer's
   gathered experts are its rank's 1/ep share under expert parallelism) and of the head, which stays
   gathered from its forward to its backward;
+- FSDP's reduction buffers: after a unit's backward (a layer's experts, the rest of the layer, the
+  embedding, the head) its unsharded gradient is copied into a reduce-scatter input, fp32 under
+  autocast, kept until the next unit reduces; both at once, for the largest unit;
 - activations kept for backward, per token of this rank's micro-batch and per layer, what the
   GPU path saves (compiled dense parts, Triton SwiGLU / permutation, FlexAttention or cuDNN
   attention keeping its output and log-sum-exp): layer input and normed input, q / k / v, the
@@ -55,15 +58,17 @@ class MemoryEstimate:
     head: float
     backward_peak: float | None = None  # one micro-batch a step: the most gradients + activations + head
     #                                     held at once in the backward walk; None: all three at once
+    reduce_buffers: float = 0.0  # FSDP: one unit's unsharded gradient and its reduce-scatter input
 
     @property
     def total(self) -> float:
         held = self.gradients + self.activations + self.head if self.backward_peak is None else self.backward_peak
-        return self.weights + self.optimizer + self.compute_copies + held
+        return self.weights + self.optimizer + self.compute_copies + self.reduce_buffers + held
 
     def lines(self) -> list[str]:
         parts = ", ".join(f"{name.replace('_', ' ')} {getattr(self, name) / GB:.2f} GB" for name in
-                          ("weights", "gradients", "optimizer", "compute_copies", "activations", "head"))
+                          ("weights", "gradients", "optimizer", "compute_copies", "reduce_buffers", "activations",
+                           "head"))
         walk = ("" if self.backward_peak is None else f"; one micro-batch a step, so gradients, activations and "
                 f"head are {self.backward_peak / GB:.2f} GB at most at once, in backward")
         return [f"estimated peak {self.total / GB:.2f} GB per rank: {parts}{walk}"]
@@ -118,6 +123,7 @@ def estimate(model: nn.Module, *, tokens: int, param_dtype: str = "fp32", autoca
     head = model.lm_head.weight
     matrices = sum(p.numel() for layer in layers for p in layer.parameters() if p.ndim >= 2) + head.numel()
     sharded = world > 1 if sharded is None else sharded
+    reduce_buffers = 0.0
     if sharded:  # FSDP gathers a layer's weights (bf16 under autocast) and frees them after use
         def gathered(layer):
             experts = sum(p.numel() for p in layer.mlp.experts.parameters()) if layer.is_moe else 0
@@ -125,6 +131,14 @@ def estimate(model: nn.Module, *, tokens: int, param_dtype: str = "fp32", autoca
 
         sizes = sorted((gathered(layer) for layer in layers), reverse=True)
         copies = (2 if autocast else state) * (sum(sizes[:2]) + head.numel())
+        # After each unit's backward (a layer's experts, the rest of a layer, the embedding, the head)
+        # FSDP copies its unsharded gradient (bf16 under autocast) into a reduce-scatter input (fp32
+        # under autocast), which it keeps until the next unit's reduction: both at once, for the largest.
+        units = [head.numel(), model.model.embed_tokens.weight.numel()]
+        for layer in layers:
+            experts = sum(p.numel() for p in layer.mlp.experts.parameters()) if layer.is_moe else 0
+            units += [sum(p.numel() for p in layer.parameters()) - experts, experts / ep]
+        reduce_buffers = ((2 if autocast else state) + (4 if autocast else state)) * max(units)
     else:  # autocast's bf16 copies of fp32 matrices live until backward has used them
         copies = matrices * 2 if (state == 4 and a == 2) else 0
     ra, rx = recompute in ("attention", "both"), recompute in ("experts", "both")
@@ -136,7 +150,8 @@ def estimate(model: nn.Module, *, tokens: int, param_dtype: str = "fp32", autoca
     dw = 4 if tokens > ce_chunk else state  # the head's dW: an fp32 accumulator over several chunks
     head_bytes = dw * head.numel() + tokens * hidden * 3 * a + min(ce_chunk, tokens) * head.shape[0] * a
     est = MemoryEstimate(weights=n * state / world, gradients=n * state / world, optimizer=2 * n * state / world,
-                         compute_copies=copies, activations=acts, head=head_bytes)
+                         compute_copies=copies, activations=acts, head=head_bytes,
+                         reduce_buffers=reduce_buffers)
     if not accumulate:
         grads = [sum(p.numel() for p in layer.parameters()) * state / world for layer in layers]
         held = head.numel() * state / world  # the head's gradient, once its backward is done
