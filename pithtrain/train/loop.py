@@ -192,7 +192,7 @@ def train_step(model: CausalLM, optimizer, micro_batches: list, grad_clip: float
         (loss / n_tokens).backward()
         loss_sum += loss.detach()
         losses.append(loss.detach())
-    params = [p for p in model.parameters() if p.grad is not None]
+    params = list(model.parameters())  # all: a rank without gradients still needs the device of its all-reduce
     replicas = mesh.layout.dp_replicate if mesh is not None else 1
     grad_norm, clip = clip_grad_norm(params, grad_clip, mesh.data_group if mesh is not None else None, replicas)
     stop_requested = preemption is not None and preemption.flag
