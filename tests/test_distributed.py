@@ -192,12 +192,15 @@ def test_direct_callers_get_errors_for_uneven_splits():
 
     t = torch.arange(12).view(1, 12)
     assert shard_sequence(t, 2, 1).tolist() == [[3, 4, 5, 6, 7, 8]]  # blocks 1 and 2 of 4
-    for length, rank in ((10, 0), (12, 2)):
-        with pytest.raises(ValueError, match="multiple of 2 x cp"):
-            shard_sequence(torch.arange(length).view(1, -1), 2, rank)
+    with pytest.raises(ValueError, match="length 10 must be a multiple of 2 x cp = 4"):
+        shard_sequence(torch.arange(10).view(1, -1), 2, 0)
+    with pytest.raises(ValueError, match="rank 2 is not in"):
+        shard_sequence(t, 2, 2)
     assert ExpertGroup(None, 4, 3, 8).per_rank == 2
     with pytest.raises(ValueError, match="choose an ep that divides"):
         ExpertGroup(None, 3, 0, 8)
+    with pytest.raises(ValueError, match="rank 5 is not in"):
+        ExpertGroup(None, 4, 5, 8)
 
 
 def test_checkpoint_reshards_across_layouts(tmp_path, tiny_corpus):

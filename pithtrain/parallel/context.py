@@ -44,9 +44,10 @@ class ContextGroup:
 
 def shard_sequence(t: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
     """This rank's two blocks (r and 2cp-1-r) of `t` along `dim`."""
-    if t.shape[dim] % (2 * cp) or not 0 <= rank < cp:
-        raise ValueError(f"shard_sequence: length {t.shape[dim]} must be a multiple of 2 x cp = {2 * cp}, "
-                         f"and rank {rank} in [0, {cp})")
+    if t.shape[dim] % (2 * cp):
+        raise ValueError(f"shard_sequence: length {t.shape[dim]} must be a multiple of 2 x cp = {2 * cp}")
+    if not 0 <= rank < cp:
+        raise ValueError(f"shard_sequence: rank {rank} is not in [0, cp = {cp})")
     blocks = t.chunk(2 * cp, dim=dim)
     return torch.cat([blocks[rank], blocks[2 * cp - 1 - rank]], dim=dim)
 

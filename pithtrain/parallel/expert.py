@@ -42,9 +42,11 @@ class ExpertGroup:
     num_experts: int  # global
 
     def __post_init__(self):
-        if self.num_experts % self.size or not 0 <= self.rank < self.size:
-            raise ValueError(f"{self.num_experts} experts cannot be split evenly over ep = {self.size} ranks "
-                             f"(rank {self.rank}): choose an ep that divides the number of experts")
+        if self.num_experts % self.size:
+            raise ValueError(f"{self.num_experts} experts cannot be split evenly over ep = {self.size} ranks: "
+                             "choose an ep that divides the number of experts")
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"expert-parallel rank {self.rank} is not in [0, ep = {self.size})")
 
     @property
     def per_rank(self) -> int:
