@@ -221,10 +221,14 @@ def main() -> None:
         results["ours"]["estimate_gb"] = est.total / 2**30
         if args.profile:
             profile(step_ours, os.path.join(args.profile, "ours"))
-        del opt
+        del opt, step_ours  # the step's closure holds the model and the optimizer
     del ours
     gc.collect()  # the compiled wrappers hold our layers in reference cycles
     torch.cuda.empty_cache()
+    left = torch.cuda.memory_allocated() - ids.numel() * ids.element_size()
+    if left > 2**30:  # a model-sized leftover of ours would count in HF's peak
+        raise RuntimeError(f"{left / 2**30:.2f} GB of our side is still allocated before HF is measured: "
+                           "a reference to our model, optimizer or step is left in main()")
 
     if args.only in ("hf", "both"):
         import transformers
