@@ -102,6 +102,13 @@ def test_hsdp_replicas_hold_whole_states():
     fsdp8 = estimate_for_run(load_config(toml, []), world=8, data_ranks=8)
     assert hsdp.weights == fsdp4.weights == 2 * fsdp8.weights
     assert hsdp.optimizer == fsdp4.optimizer and hsdp.total == fsdp4.total
+    # HSDP's all-reduce keeps every unit's reduced fp32 gradient until backward ends. With fp32 states
+    # and one micro-batch a step (above) it is the gradient itself; added into the gradients of an
+    # accumulating step, or cast to bf16 states, it is memory of its own
+    for extra, bf16 in ((["data.global_batch_size=128"], 4), (["train.param_dtype=bf16"], 2)):
+        h = estimate_for_run(load_config(toml, ["parallel.dp_replicate=2", *extra]), world=8, data_ranks=8)
+        f = estimate_for_run(load_config(toml, extra), world=4, data_ranks=8)
+        assert h.reduce_buffers - f.reduce_buffers == 4 * h.weights / bf16 and h.total > f.total
     # one rank per replica is still FSDP: a layer at a time gathered, not autocast copies of every matrix
     pair = estimate_for_run(load_config(toml, ["parallel.dp_replicate=2"]), world=2, data_ranks=2)
     fsdp1 = estimate_for_run(load_config(toml, []), world=1, data_ranks=2, sharded=True)

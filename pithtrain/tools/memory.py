@@ -12,7 +12,9 @@ allocated) and adds, per rank:
   gathered from its forward to its backward;
 - FSDP's reduction buffers: after a unit's backward (a layer's experts, the rest of the layer, the
   embedding, the head) its unsharded gradient is copied into a reduce-scatter input, fp32 under
-  autocast, kept until the next unit reduces; both at once, for the largest unit;
+  autocast, kept until the next unit reduces; both at once, for the largest unit; under HSDP the
+  all-reduce also keeps each unit's reduced gradient (fp32 under autocast) until backward ends,
+  which is memory of its own when it is added into a gradient or cast to bf16 parameters;
 - activations kept for backward, per token of this rank's micro-batch and per layer, what the
   GPU path saves (compiled dense parts, Triton SwiGLU / permutation, FlexAttention or cuDNN
   attention keeping its output and log-sum-exp): layer input and normed input, q / k / v, the
@@ -110,12 +112,14 @@ def layer_activation_bytes(layer: nn.Module, a: int, recompute_attention: bool, 
 
 def estimate(model: nn.Module, *, tokens: int, param_dtype: str = "fp32", autocast: bool = True,
              world: int = 1, recompute: str = "none", ce_chunk: int = CHUNK,
-             accumulate: bool = True, ep: int = 1, sharded: bool | None = None) -> MemoryEstimate:
+             accumulate: bool = True, ep: int = 1, sharded: bool | None = None,
+             replicated: bool = False) -> MemoryEstimate:
     """Per-rank estimate for `model` (meta device is enough; all experts, as one process builds it)
     with `tokens` per micro-batch on this rank (micro_batch_size * seq_len / cp), parameters sharded
     over `world` ranks, experts split over `ep` of them; `accumulate`: the step runs two or more
     micro-batches on this rank (else the backward walk of one); `sharded`: FSDP wraps the model
-    (default: `world` > 1; also so under HSDP with one rank per replica, or torchrun with one rank)."""
+    (default: `world` > 1; also so under HSDP with one rank per replica, or torchrun with one rank);
+    `replicated`: HSDP, whose all-reduce keeps every unit's reduced gradient until backward ends."""
     state = 4 if param_dtype == "fp32" else 2
     a = 2 if (autocast or param_dtype == "bf16") else 4
     n = sum(p.numel() for p in model.parameters())
@@ -138,7 +142,10 @@ def estimate(model: nn.Module, *, tokens: int, param_dtype: str = "fp32", autoca
         for layer in layers:
             experts = sum(p.numel() for p in layer.mlp.experts.parameters()) if layer.is_moe else 0
             units += [sum(p.numel() for p in layer.parameters()) - experts, experts / ep]
-        reduce_buffers = ((2 if autocast else state) + (4 if autocast else state)) * max(units)
+        reduce = 4 if autocast else state
+        reduce_buffers = ((2 if autocast else state) + reduce) * max(units)
+        if replicated and (accumulate or reduce != state):  # else the reduced gradient is the gradient itself
+            reduce_buffers += reduce * n / world
     else:  # autocast's bf16 copies of fp32 matrices live until backward has used them
         copies = matrices * 2 if (state == 4 and a == 2) else 0
     ra, rx = recompute in ("attention", "both"), recompute in ("experts", "both")
@@ -178,7 +185,7 @@ def estimate_for_run(cfg, world: int = 1, cp: int = 1, autocast: bool = True, da
     return estimate(model, tokens=d.micro_batch_size * d.seq_len // cp, param_dtype=t.param_dtype,
                     autocast=autocast, world=world // cfg.parallel.dp_replicate, recompute=t.recompute,
                     accumulate=d.global_batch_size > d.micro_batch_size * data_ranks, ep=cfg.parallel.ep,
-                    sharded=world > 1 if sharded is None else sharded)
+                    sharded=world > 1 if sharded is None else sharded, replicated=cfg.parallel.dp_replicate > 1)
 
 
 def check_fits(est: MemoryEstimate, device_bytes: int | None, world: int = 1) -> None:
