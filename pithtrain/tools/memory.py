@@ -60,7 +60,7 @@ class MemoryEstimate:
     head: float
     backward_peak: float | None = None  # one micro-batch a step: the most gradients + activations + head
     #                                     held at once in the backward walk; None: all three at once
-    reduce_buffers: float = 0.0  # FSDP: one unit's unsharded gradient and its reduce-scatter input
+    reduce_buffers: float = 0.0  # FSDP: one unit's unsharded gradient and reduce-scatter input (+ HSDP's)
 
     @property
     def total(self) -> float:
