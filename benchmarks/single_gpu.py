@@ -226,7 +226,7 @@ def main() -> None:
     gc.collect()  # the compiled wrappers hold our layers in reference cycles
     torch.cuda.empty_cache()
     left = torch.cuda.memory_allocated() - ids.numel() * ids.element_size()
-    if left > 2**30:  # a model-sized leftover of ours would count in HF's peak
+    if args.only != "ours" and left > 2**30:  # a model-sized leftover of ours would count in HF's peak
         raise RuntimeError(f"{left / 2**30:.2f} GB of our side is still allocated before HF is measured: "
                            "a reference to our model, optimizer or step is left in main()")
 

@@ -1,6 +1,6 @@
 """Run under torchrun -n 1 on a GPU by test_gpu.py: the sharded path (FSDP2 on one rank) of a 2-layer
 Qwen3-30B-A3B cut, micro-batches of 2 x 2048, with train.param_dtype and the number of micro-batches
-a step from argv; prints one JSON line: the peak of each of 4 steps (from what the process held
+a step from argv; prints one line, MEMORY and JSON: the peak of each of 4 steps (from what the process held
 before the model was built) and tools/memory.py's estimate for the same run."""
 
 import json
@@ -33,4 +33,4 @@ for step in range(1, 5):
     train_step(model, opt, batches, 1.0, mesh.device, amp, mesh, step=step)
     torch.cuda.synchronize()
     peaks.append(torch.cuda.max_memory_allocated() - base)
-print(json.dumps({"peaks": peaks, "estimate": est.total}))
+print("MEMORY " + json.dumps({"peaks": peaks, "estimate": est.total}))

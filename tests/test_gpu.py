@@ -207,7 +207,7 @@ def test_memory_estimate_on_the_sharded_path(param_dtype, micro):
                            os.path.join(ROOT, "tests", "fsdp_memory_worker.py"), param_dtype, str(micro)],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("MEMORY "))[7:])
     peak = max(got["peaks"][1:])  # from the second step on, AdamW's states exist
     assert peak <= got["estimate"] <= 1.1 * peak, (got, param_dtype, micro)
 

@@ -102,18 +102,32 @@ def test_hsdp_replicas_hold_whole_states():
     fsdp8 = estimate_for_run(load_config(toml, []), world=8, data_ranks=8)
     assert hsdp.weights == fsdp4.weights == 2 * fsdp8.weights
     assert hsdp.optimizer == fsdp4.optimizer and hsdp.total == fsdp4.total
-    # HSDP's all-reduce keeps every unit's reduced fp32 gradient until backward ends. With fp32 states
-    # and one micro-batch a step (above) it is the gradient itself; added into the gradients of an
-    # accumulating step, or cast to bf16 states, it is memory of its own
-    for extra, bf16 in ((["data.global_batch_size=128"], 4), (["train.param_dtype=bf16"], 2)):
-        h = estimate_for_run(load_config(toml, ["parallel.dp_replicate=2", *extra]), world=8, data_ranks=8)
-        f = estimate_for_run(load_config(toml, extra), world=4, data_ranks=8)
-        assert h.reduce_buffers - f.reduce_buffers == 4 * h.weights / bf16 and h.total > f.total
+    # an accumulating step holds every reduced gradient HSDP's all-reduce keeps (fp32), next to all else
+    h = estimate_for_run(load_config(toml, ["parallel.dp_replicate=2", "data.global_batch_size=128"]), world=8,
+                         data_ranks=8)
+    f = estimate_for_run(load_config(toml, ["data.global_batch_size=128"]), world=4, data_ranks=8)
+    assert h.reduce_buffers - f.reduce_buffers == h.weights and h.total == f.total + h.weights
     # one rank per replica is still FSDP: a layer at a time gathered, not autocast copies of every matrix
     pair = estimate_for_run(load_config(toml, ["parallel.dp_replicate=2"]), world=2, data_ranks=2)
     fsdp1 = estimate_for_run(load_config(toml, []), world=1, data_ranks=2, sharded=True)
     alone = estimate_for_run(load_config(toml, []), world=1, data_ranks=1)
     assert pair.compute_copies == fsdp1.compute_copies < alone.compute_copies
+
+
+def test_hsdp_keeps_reduced_gradients_through_the_backward_walk():
+    """One micro-batch a step: with fp32 states HSDP's kept fp32 reduction is the gradient itself;
+    with bf16 states it is 4 bytes per parameter of its own, held from each unit's reduction to the
+    end of backward, so it adds to the walk's later stages (all of it at the end), not to its start."""
+    cfg = dict(CASES["qwen3"], vocab_size=512, mlp_only_layers=[])
+    with torch.device("meta"):
+        model = build_model(cfg)
+    n = sum(p.numel() for p in model.parameters())
+    run = lambda dtype, rep: estimate(model, tokens=1, param_dtype=dtype, world=4, accumulate=False,  # noqa: E731
+                                      replicated=rep)
+    assert run("fp32", True).backward_peak == run("fp32", False).backward_peak
+    h, f = run("bf16", True), run("bf16", False)
+    assert h.backward_peak == n * (2 + 4) / 4 > f.backward_peak  # the end: every gradient and its kept reduction
+    assert h.reduce_buffers == f.reduce_buffers
 
 
 def test_fsdp_gathers_the_local_experts_and_the_head():

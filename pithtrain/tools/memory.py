@@ -127,7 +127,7 @@ def estimate(model: nn.Module, *, tokens: int, param_dtype: str = "fp32", autoca
     head = model.lm_head.weight
     matrices = sum(p.numel() for layer in layers for p in layer.parameters() if p.ndim >= 2) + head.numel()
     sharded = world > 1 if sharded is None else sharded
-    reduce_buffers = 0.0
+    reduce_buffers = hsdp_kept = 0.0
     if sharded:  # FSDP gathers a layer's weights (bf16 under autocast) and frees them after use
         def gathered(layer):
             experts = sum(p.numel() for p in layer.mlp.experts.parameters()) if layer.is_moe else 0
@@ -145,7 +145,7 @@ def estimate(model: nn.Module, *, tokens: int, param_dtype: str = "fp32", autoca
         reduce = 4 if autocast else state
         reduce_buffers = ((2 if autocast else state) + reduce) * max(units)
         if replicated and (accumulate or reduce != state):  # else the reduced gradient is the gradient itself
-            reduce_buffers += reduce * n / world
+            hsdp_kept = reduce / world  # per parameter: from its unit's reduction to the end of backward
     else:  # autocast's bf16 copies of fp32 matrices live until backward has used them
         copies = matrices * 2 if (state == 4 and a == 2) else 0
     ra, rx = recompute in ("attention", "both"), recompute in ("experts", "both")
@@ -159,10 +159,13 @@ def estimate(model: nn.Module, *, tokens: int, param_dtype: str = "fp32", autoca
     est = MemoryEstimate(weights=n * state / world, gradients=n * state / world, optimizer=2 * n * state / world,
                          compute_copies=copies, activations=acts, head=head_bytes,
                          reduce_buffers=reduce_buffers)
-    if not accumulate:
-        grads = [sum(p.numel() for p in layer.parameters()) * state / world for layer in layers]
-        held = head.numel() * state / world  # the head's gradient, once its backward is done
-        walk = [acts - recomputed + head_bytes, est.gradients]
+    if accumulate:
+        est.reduce_buffers += hsdp_kept * n
+    else:
+        per = state / world + hsdp_kept  # a reduced parameter's gradient, and what HSDP keeps of it
+        grads = [sum(p.numel() for p in layer.parameters()) * per for layer in layers]
+        held = head.numel() * per  # the head's gradient, once its backward is done
+        walk = [acts - recomputed + head_bytes, n * per]
         for i in reversed(range(len(layers))):  # layer i's backward: its gradients next to its activations
             walk.append(held + grads[i] + tokens * (sum(kept[:i + 1]) + full[i] - kept[i]))
             held += grads[i]
