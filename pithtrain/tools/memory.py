@@ -129,19 +129,17 @@ def estimate(model: nn.Module, *, tokens: int, param_dtype: str = "fp32", autoca
     sharded = world > 1 if sharded is None else sharded
     reduce_buffers = hsdp_kept = 0.0
     if sharded:  # FSDP gathers a layer's weights (bf16 under autocast) and frees them after use
-        def gathered(layer):
+        def parts(layer):  # (the layer outside its experts, this rank's 1/ep of its experts)
             experts = sum(p.numel() for p in layer.mlp.experts.parameters()) if layer.is_moe else 0
-            return sum(p.numel() for p in layer.parameters()) - experts + experts / ep
+            return sum(p.numel() for p in layer.parameters()) - experts, experts / ep
 
-        sizes = sorted((gathered(layer) for layer in layers), reverse=True)
+        split = [parts(layer) for layer in layers]
+        sizes = sorted((dense + experts for dense, experts in split), reverse=True)
         copies = (2 if autocast else state) * (sum(sizes[:2]) + head.numel())
         # After each unit's backward (a layer's experts, the rest of a layer, the embedding, the head)
         # FSDP copies its unsharded gradient (bf16 under autocast) into a reduce-scatter input (fp32
         # under autocast), which it keeps until the next unit's reduction: both at once, for the largest.
-        units = [head.numel(), model.model.embed_tokens.weight.numel()]
-        for layer in layers:
-            experts = sum(p.numel() for p in layer.mlp.experts.parameters()) if layer.is_moe else 0
-            units += [sum(p.numel() for p in layer.parameters()) - experts, experts / ep]
+        units = [head.numel(), model.model.embed_tokens.weight.numel()] + [u for pair in split for u in pair]
         reduce = 4 if autocast else state
         reduce_buffers = ((2 if autocast else state) + reduce) * max(units)
         if replicated and (accumulate or reduce != state):  # else the reduced gradient is the gradient itself
@@ -158,10 +156,8 @@ def estimate(model: nn.Module, *, tokens: int, param_dtype: str = "fp32", autoca
     head_bytes = dw * head.numel() + tokens * hidden * 3 * a + min(ce_chunk, tokens) * head.shape[0] * a
     est = MemoryEstimate(weights=n * state / world, gradients=n * state / world, optimizer=2 * n * state / world,
                          compute_copies=copies, activations=acts, head=head_bytes,
-                         reduce_buffers=reduce_buffers)
-    if accumulate:
-        est.reduce_buffers += hsdp_kept * n
-    else:
+                         reduce_buffers=reduce_buffers + (hsdp_kept * n if accumulate else 0.0))
+    if not accumulate:
         per = state / world + hsdp_kept  # a reduced parameter's gradient, and what HSDP keeps of it
         grads = [sum(p.numel() for p in layer.parameters()) * per for layer in layers]
         held = head.numel() * per  # the head's gradient, once its backward is done
