@@ -13,11 +13,12 @@ EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 
 
 def cmd_train(args) -> int:
+    from pithtrain.parallel.mesh import process_rank
     from pithtrain.train.loop import train
 
     cfg = load_config(args.config, args.overrides)
     summary = train(cfg)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if process_rank() == 0:
         print_summary(summary)
     return 0
 
@@ -96,27 +97,27 @@ def cmd_convert(args) -> int:
 
 def cmd_demo(args) -> int:
     """Build the demo corpus (once) and train the tiny MoE on it."""
+    from pithtrain.parallel.mesh import process_rank
     from pithtrain.train.corpus import DEMO, build_corpus
     from pithtrain.train.loop import train
 
     corpus = os.path.join(args.work_dir, "demo-corpus")
+    run_dir = os.path.join(args.work_dir, "demo-run")
+    toml = os.path.join(EXAMPLES, "demo", "demo.toml")
+    if not os.path.exists(toml):
+        raise ConfigError(f"{toml} not found: run the demo from a source checkout (or `pip install -e .`)")
+    cfg = load_config(toml, [f"data.corpus={corpus}", f"log.run_dir={run_dir}"] + args.overrides)  # checked before the corpus is built
     if not os.path.exists(os.path.join(corpus, "meta.json")):
         print(f"building the demo corpus in {corpus} (Python standard library sources)", flush=True)
         meta = build_corpus([DEMO], corpus, None, workers=args.workers, demo_vocab_size=4096,
                             val_fraction=0.02)
         print(f"  {meta['splits']['train']['tokens']:,} train / {meta['splits']['val']['tokens']:,} "
               f"validation tokens", flush=True)
-    run_dir = os.path.join(args.work_dir, "demo-run")
     if os.path.exists(run_dir):  # the demo's own output: each demo starts afresh
         print(f"removing the previous demo run {run_dir}", flush=True)
         shutil.rmtree(run_dir)
-    overrides = [f"data.corpus={corpus}", f"log.run_dir={run_dir}"]
-    toml = os.path.join(EXAMPLES, "demo", "demo.toml")
-    if not os.path.exists(toml):
-        raise ConfigError(f"{toml} not found: run the demo from a source checkout (or `pip install -e .`)")
-    cfg = load_config(toml, overrides + args.overrides)
     summary = train(cfg)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if process_rank() == 0:
         print_summary(summary)
     return 0
 
@@ -150,7 +151,7 @@ def cmd_bench(bench_args: list[str]) -> int:
         raise ConfigError(f"{script} not found: `pithtrain bench` runs from a source checkout of PithTrain")
     import torch
 
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not {"-h", "--help"} & set(bench_args):
         raise ConfigError("`pithtrain bench` times training steps on a CUDA GPU, and torch sees none here")
     sys.argv = [script] + bench_args
     runpy.run_path(script, run_name="__main__")

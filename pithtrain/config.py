@@ -208,6 +208,10 @@ def load_config(path: str | None, overrides: list[str] = (), base: dict | None =
                 raw = tomllib.load(f)
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
+        except IsADirectoryError:
+            raise ConfigError(f"config file {path} is a folder; name the run's .toml file") from None
+        except OSError as e:
+            raise ConfigError(f"config file {path} cannot be read: {e}") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path} is not valid TOML: {e}") from None
         root = os.path.dirname(os.path.abspath(path))
@@ -258,13 +262,22 @@ def build_config(raw: dict) -> RunConfig:
     cfg.model.config = model.pop("config", "")
     if not cfg.model.config:
         raise ConfigError("model.config is missing: name the Hugging Face config.json of the model")
+    if not isinstance(cfg.model.config, str):
+        raise ConfigError(f"model.config = {cfg.model.config!r}: name the path of the model's config.json")
+    if os.path.isdir(cfg.model.config):  # a Hugging Face model folder: its config.json
+        cfg.model.config = os.path.join(cfg.model.config, "config.json")
     try:
         with open(cfg.model.config) as f:
             hf = json.load(f)
     except FileNotFoundError:
         raise ConfigError(f"model.config: {cfg.model.config} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"model.config: {cfg.model.config} cannot be read: {e}") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"model.config: {cfg.model.config} is not valid JSON: {e}") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"model.config: {cfg.model.config} holds a JSON {type(hf).__name__}, not the object "
+                          "{...} of a Hugging Face config.json")
     hf.pop("hf", None)
     for key, value in model.items():
         hf[key] = _hf_override(key, hf, value)
@@ -272,6 +285,19 @@ def build_config(raw: dict) -> RunConfig:
     validate(cfg)
     check_model(hf, cfg.model.config)
     return cfg
+
+
+def unwritable(path: str) -> str | None:
+    """Why a folder cannot be made or filled at `path` (its nearest existing part is a file or not
+    writable), or None."""
+    part = os.path.abspath(path)
+    while not os.path.exists(part):
+        part = os.path.dirname(part)
+    if not os.path.isdir(part):
+        return f"{part} is a file" if part != os.path.abspath(path) else "it is a file"
+    if not os.access(part, os.W_OK | os.X_OK):
+        return f"{part} is not writable here"
+    return None
 
 
 def check_model(hf: dict, path: str) -> None:

@@ -85,12 +85,44 @@ def test_missing_model_config(tmp_path):
     ("model_type", "llama", "model_type 'llama' in config.json is not supported"),
     ("hidden_act", "gelu", "only 'silu'|supports 'silu' only"),
     ("num_experts_per_tok", 9, "exceeds model.num_experts"),
+    ("decoder_sparse_step", 0, "model.decoder_sparse_step = 0 must be a positive integer"),
+    ("head_dim", 9, "the rotary dimension 9 is odd"),
+    ("initializer_range", -0.02, "model.initializer_range = -0.02 must be a number of at least 0"),
 ])
 def test_bad_model_config_is_a_config_error(tmp_path, field, value, message):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**HF, field: value}))
     with pytest.raises(ConfigError, match=message):
         load_config(None, [f"model.config={path}"])
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("moe_layer_freq", 0, "model.moe_layer_freq = 0 must be a positive integer"),
+    ("kv_lora_rank", 0, "model.kv_lora_rank = 0 must be a positive integer"),
+    ("qk_rope_head_dim", 7, "the rotary dimension 7 is odd"),
+    ("n_shared_experts", -1, "model.n_shared_experts = -1 must be an integer of at least 0"),
+])
+def test_bad_deepseek_fields_are_named(field, value, message):
+    from conftest import DEEPSEEK_V2
+    from pithtrain.models import build_model
+
+    with pytest.raises(ValueError, match=message):
+        build_model({**DEEPSEEK_V2, field: value})
+
+
+def test_model_config_may_name_a_model_folder_and_must_hold_an_object(tmp_path):
+    """A Hugging Face model folder stands for its config.json; a folder as the run's TOML, a
+    config.json that is not a JSON object and a non-path model.config are errors that say so."""
+    (tmp_path / "config.json").write_text(json.dumps(HF))
+    assert load_config(None, [f"model.config={tmp_path}"]).model.hf["hidden_size"] == 32
+    with pytest.raises(ConfigError, match="is a folder; name the run's .toml file"):
+        load_config(str(tmp_path))
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="holds a JSON list, not the object"):
+        load_config(None, [f"model.config={tmp_path / 'list.json'}"])
+    (tmp_path / "run.toml").write_text("[model]\nconfig = 5\n")
+    with pytest.raises(ConfigError, match="model.config = 5: name the path"):
+        load_config(str(tmp_path / "run.toml"))
 
 
 def test_paths_and_names(toml, tmp_path, monkeypatch):

@@ -196,6 +196,11 @@ def test_cli_convert_and_train_from_converted_weights(tiny_corpus, tmp_path):
     toml = write_run(tmp_path, tiny_corpus)
     r = run_cli("train", str(toml), "train.steps=2", f"checkpoint.init_from={tmp_path / 'dcp'}")
     assert "initialised from the weights of" in r.stdout + r.stderr
+    # resuming from them is refused for what they lack (optimizer state), not for the config.json
+    # fields the export wrote there (dtype), which are checked after
+    r = run_cli("train", str(toml), "train.steps=2", f"log.run_dir={tmp_path / 'again'}",
+                f"checkpoint.resume={tmp_path / 'dcp'}", check=False)
+    assert r.returncode == 2 and "holds weights only" in r.stderr and "Traceback" not in r.stderr, r.stderr
     step = checkpoint.latest(str(tmp_path / "run" / "checkpoints"))
     run_cli("convert", "dcp-to-hf", step, str(tmp_path / "export"), "--dtype", "bf16", "--tokenizer", str(src))
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"))

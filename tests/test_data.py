@@ -251,6 +251,8 @@ def test_input_and_output_errors(tmp_path, tok_path):
     (tmp_path / "other" / "x").write_text("x")
     with pytest.raises(C.CorpusError, match="not an empty directory"):
         C.build_corpus([good], str(tmp_path / "other"), tok_path, workers=1)
+    with pytest.raises(C.CorpusError, match=r"other/x/sub cannot be made \(.*other/x is a file\)"):
+        C.build_corpus([good], str(tmp_path / "other" / "x" / "sub"), tok_path, workers=1)
 
 
 def test_find_eos_and_load_tokenizer(tmp_path, tok_path):

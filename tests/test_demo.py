@@ -26,3 +26,9 @@ def test_demo_short(tmp_path):
     assert "removing the previous demo run" in again
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         assert [json.loads(line)["step"] for line in f] == [2]  # log.every = 10: only the last step
+
+
+def test_demo_checks_its_overrides_before_building_the_corpus(tmp_path):
+    proc = run_cli("demo", "--work-dir", str(tmp_path), "data.seqlen=3", check=False)
+    assert proc.returncode == 2 and "unknown key data.seqlen" in proc.stderr, proc.stderr
+    assert not os.path.exists(tmp_path / "demo-corpus")

@@ -252,6 +252,27 @@ def test_single_process_with_a_parallel_layout_is_an_error(tmp_path, tiny_corpus
     assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
 
 
+def test_a_stray_launch_environment_is_named(tmp_path, tiny_corpus, monkeypatch):
+    """WORLD_SIZE without the rest of torchrun's variables, or not a number, is a config error
+    (not a rendezvous that waits or a traceback); a stray RANK in one process is ignored."""
+    from pithtrain.parallel.mesh import process_rank, world_size
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("RANK", "1")
+    assert world_size() == 1 and process_rank() == 0
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="WORLD_SIZE=2 is set but LOCAL_RANK, MASTER_ADDR, MASTER_PORT not: launch"):
+        world_size()
+    monkeypatch.setenv("WORLD_SIZE", "abc")
+    with pytest.raises(ConfigError, match="WORLD_SIZE='abc' is not an integer"):
+        world_size()
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("RANK")
+    proc = run_cli("train", family_run(tmp_path, tiny_corpus, "qwen3"), env={"WORLD_SIZE": "2"}, check=False)
+    assert proc.returncode == 2 and "unset WORLD_SIZE" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_init_from_single_process_weights_under_ep2(tmp_path, tiny_corpus, reference):
     """`checkpoint.init_from` (weights only, as `pithtrain convert hf-to-dcp` writes them) of a
     single-process checkpoint under ep2: the first step equals the single-process run from the

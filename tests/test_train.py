@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -91,6 +92,14 @@ def test_fresh_run_refuses_an_existing_run_dir(tiny_corpus, tmp_path):
     with pytest.raises(ConfigError, match=r"checkpoint.dir .*run/checkpoints already holds a run .* another checkpoint.dir"):
         train(load_config(toml, ["train.steps=2", "optim.warmup_steps=1", f"log.run_dir={tmp_path}/new",
                                  f"checkpoint.dir={tmp_path}/run/checkpoints"]))
+    # going on from another run's checkpoint (resume=PATH) in a run_dir that holds a run: refused
+    other = ["train.steps=2", "optim.warmup_steps=1", f"log.run_dir={tmp_path}/other"]
+    train(load_config(toml, other))
+    kept = open(tmp_path / "other" / "metrics.jsonl").read()
+    step2 = checkpoint.latest(str(tmp_path / "run" / "checkpoints"))
+    with pytest.raises(ConfigError, match=f"already holds a run .*to go on from {re.escape(step2)}, name another"):
+        train(load_config(toml, other[1:] + ["train.steps=4", f"checkpoint.resume={step2}"]))
+    assert open(tmp_path / "other" / "metrics.jsonl").read() == kept
     # metrics but no checkpoint: resume=auto has nothing to continue and must not write over them either
     nock = ["train.steps=2", "optim.warmup_steps=1", f"log.run_dir={tmp_path}/nock", "checkpoint.every=0",
             "checkpoint.save_final=false"]
@@ -111,11 +120,16 @@ def test_paths_and_sizes_that_cannot_work_are_config_errors(tiny_corpus, tmp_pat
                               (f"checkpoint.dir={toml}", "checkpoint.dir = .* is a file")):
         with pytest.raises(ConfigError, match=message):
             load_config(toml, [override])
+    with pytest.raises(ConfigError, match=r"log.run_dir = .*run.toml/run: the run cannot write there \(.*run.toml is "
+                                          r"a file\)"):
+        train(load_config(toml, [f"log.run_dir={toml}/run"]))
     proc = run_cli("memory", toml, "--world", "0", check=False)
     assert proc.returncode == 2 and "--world 0" in proc.stderr and "Traceback" not in proc.stderr
     if not torch.cuda.is_available():
         proc = run_cli("bench", check=False)
         assert proc.returncode == 2 and "CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr
+        proc = run_cli("bench", "--help")  # the options are listed all the same
+        assert "--weights" in proc.stdout and "--model" in proc.stdout
     with pytest.raises(checkpoint.CheckpointError, match="does not exist"):
         checkpoint.verify(str(tmp_path / "nowhere"))
 

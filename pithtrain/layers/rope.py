@@ -86,6 +86,9 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, dim: int, params: dict, max_positions: int | None = None):
         super().__init__()
+        if dim % 2:
+            raise ValueError(f"the rotary dimension {dim} is odd: RoPE rotates pairs of dimensions, so the "
+                             "model's head_dim (qk_rope_head_dim for MLA) must be even")
         self.dim, self.params, self.max_positions = dim, params, max_positions
         inv_freq, self.attention_factor = inverse_frequencies(params, dim, max_positions)
         self.register_buffer("inv_freq", inv_freq, persistent=False)

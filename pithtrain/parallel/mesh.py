@@ -118,13 +118,44 @@ class Mesh:
         return self.coord("dp") * self.layout.ep + self.coord("ep")
 
 
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={text!r} is not an integer: launch with torchrun, which "
+                          f"sets it, or unset it") from None
+
+
 def world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    """WORLD_SIZE as torchrun sets it (1 when unset). More than one process needs the rest of
+    torchrun's environment: a WORLD_SIZE left over in a shell or container is named, not waited on."""
+    n = _env_int("WORLD_SIZE", 1)
+    if n < 1:
+        raise ConfigError(f"environment variable WORLD_SIZE={n}: launch with torchrun, or unset it for one process")
+    if n > 1:
+        missing = [k for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing:
+            raise ConfigError(f"WORLD_SIZE={n} is set but {', '.join(missing)} not: launch with `torchrun "
+                              f"--nproc-per-node=N -m pithtrain train ...` (it sets them all), or unset WORLD_SIZE "
+                              "to train in one process")
+        rank = _env_int("RANK", 0)
+        if not 0 <= rank < n:
+            raise ConfigError(f"environment variable RANK={rank} lies outside 0..{n - 1} (WORLD_SIZE={n})")
+        _env_int("LOCAL_RANK", 0)
+    return n
+
+
+def process_rank() -> int:
+    """This process's rank: RANK under a launch of several processes, 0 for one process."""
+    return _env_int("RANK", 0) if world_size() > 1 else 0
 
 
 def init_distributed(layout: Layout, device_type: str, timeout_s: float = 600) -> Mesh:
     """Join the torchrun job (NCCL on CUDA, gloo on CPU) and build the meshes of `layout`."""
-    local = int(os.environ.get("LOCAL_RANK", "0"))
+    local = _env_int("LOCAL_RANK", 0)
     if device_type == "cuda":
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)

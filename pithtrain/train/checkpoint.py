@@ -448,13 +448,19 @@ def load_weights(path: str, model: torch.nn.Module) -> None:
     set_model_state_dict(model, state, options=StateDictOptions(strict=False))
 
 
-def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
-    """Load model (and optimizer) state from checkpoint `path`; return its trainer state."""
-    verify_everywhere(path)
-    if optimizer is not None and not any(k.startswith("optim.") for k in _metadata(path).state_dict_metadata):
+def require_optimizer_state(path: str) -> None:
+    """A run resumes only from a checkpoint with optimizer state (read from its metadata)."""
+    if not any(k.startswith("optim.") for k in _metadata(path).state_dict_metadata):
         raise CheckpointError(f"checkpoint {path} holds weights only, no optimizer state (e.g. made by `pithtrain "
                               f"convert hf-to-dcp`), so a run cannot resume from it; start from its weights with "
                               f"checkpoint.init_from={path}")
+
+
+def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+    """Load model (and optimizer) state from checkpoint `path`; return its trainer state."""
+    verify_everywhere(path)
+    if optimizer is not None:
+        require_optimizer_state(path)
     stored = {n: s for n, (s, _) in stored_tensors(path).items()}
     if optimizer is None:
         state = {"model": get_model_state_dict(model)}

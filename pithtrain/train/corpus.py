@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pithtrain.config import unwritable
+
 if TYPE_CHECKING:  # tokenizers is imported lazily so that `pithtrain --help` starts fast
     from tokenizers import Tokenizer
 
@@ -388,6 +390,8 @@ def build_corpus(inputs: list[str], out_dir: str, tokenizer: str | None, *, text
         raise CorpusError(f"workers = {workers}: give 1 or more tokenizer processes (--workers)")
     out_dir = os.path.abspath(out_dir)  # "." has no name to make a sibling of; messages say where
     existing = os.listdir(out_dir) if os.path.isdir(out_dir) else None
+    if not os.path.exists(out_dir) and (why := unwritable(out_dir)):
+        raise CorpusError(f"output {out_dir} cannot be made ({why}); pass another output directory")
     if os.path.exists(out_dir) and existing is None:
         raise CorpusError(f"output {out_dir} exists and is not a directory; pass a new output directory")
     if existing:

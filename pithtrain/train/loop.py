@@ -20,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from pithtrain.config import ConfigError, RunConfig
+from pithtrain.config import ConfigError, RunConfig, unwritable
 from pithtrain.layers.moe import BalanceOptions
 from pithtrain.layers.transformer import CausalLM, cast_parameters, init_weights
 from pithtrain.models import build_model
@@ -258,18 +258,21 @@ def check_tokenizer_matches(init_from: str, ds: PackedDataset, corpus_tokenizer:
                           f"`pithtrain build-corpus ... --tokenizer {theirs}`")
 
 
-def refuse_to_overwrite(run_dir: str, ckpt_dir: str) -> None:
-    """A fresh run (resume = none) must not write over the metrics or checkpoints of another."""
+def refuse_to_overwrite(run_dir: str, ckpt_dir: str, source: str | None = None) -> None:
+    """A fresh run (resume = none), or one that continues `source`, a checkpoint of another run
+    (resume = PATH outside `ckpt_dir`), must not write over the metrics or checkpoints of another."""
     found = checkpoint.complete_checkpoints(ckpt_dir)
     metrics = os.path.join(run_dir, "metrics.jsonl")
     if found:
         inside = os.path.abspath(ckpt_dir).startswith(os.path.abspath(run_dir) + os.sep)
         key, folder = ("log.run_dir", run_dir) if inside else ("checkpoint.dir", ckpt_dir)
-        raise ConfigError(f"{key} {folder} already holds a run (checkpoints up to step {found[-1][0]}); continue it "
-                          f"with checkpoint.resume=auto or start a new one in another {key}")
+        todo = (f"to go on from {source}, name another {key}" if source else
+                f"continue it with checkpoint.resume=auto or start a new one in another {key}")
+        raise ConfigError(f"{key} {folder} already holds a run (checkpoints up to step {found[-1][0]}); {todo}")
     if os.path.exists(metrics) and os.path.getsize(metrics):  # empty: a run that failed before step 1
+        todo = f"to go on from {source}, name" if source else "start a new one in"
         raise ConfigError(f"log.run_dir {run_dir} already holds a run (metrics.jsonl) with no checkpoint to continue "
-                          "from; start a new one in another log.run_dir (or move that one aside)")
+                          f"from; {todo} another log.run_dir (or move that one aside)")
 
 
 def check_same_model(path: str, hf: dict) -> None:
@@ -302,6 +305,9 @@ def train(cfg: RunConfig) -> dict:
         set_deterministic()
     device, amp = resolve_device(cfg)
     layout = plan_layout(cfg, world_size())
+    for key, folder in (("log.run_dir", cfg.log.run_dir), ("checkpoint.dir", cfg.checkpoint_dir)):
+        if why := unwritable(folder):  # before the data is opened and the model built
+            raise ConfigError(f"{key} = {folder}: the run cannot write there ({why}); name another folder")
     train_ds, val_ds = open_data(cfg)
     d = cfg.data
     has_tok = os.path.isfile(train_ds.tokenizer_path)
@@ -335,6 +341,8 @@ def train(cfg: RunConfig) -> dict:
     resume = cfg.checkpoint.resume
     if resume == "none" or (resume == "auto" and not checkpoint.step_dirs(ckpt_dir)):
         refuse_to_overwrite(cfg.log.run_dir, ckpt_dir)  # auto with nothing to resume starts afresh: the same rule
+    elif resume != "auto" and not os.path.realpath(resume).startswith(os.path.realpath(ckpt_dir) + os.sep):
+        refuse_to_overwrite(cfg.log.run_dir, ckpt_dir, source=resume)  # another run's checkpoint
     if mesh is not None:
         dist.barrier()  # every rank has looked before rank 0 writes
     if rank0:
@@ -350,6 +358,7 @@ def train(cfg: RunConfig) -> dict:
     else:
         path = None if resume == "none" else resume
     if path is not None:
+        checkpoint.require_optimizer_state(path)  # before the config comparison: the plainer reason
         check_same_model(path, cfg.model.hf)
         state = checkpoint.load(path, model, optimizer)
         if not same_tokenizer(state.get("tokenizer", corpus_tokenizer), corpus_tokenizer, train_ds):
