@@ -17,5 +17,11 @@ def run() -> int:
         raise
 
 
-# `record`: under torchrun a rank's uncaught exception and traceback reach the job's failure summary.
-sys.exit(record(run)())
+def entry() -> int:
+    """`python -m pithtrain` and the installed `pithtrain` command alike: under torchrun, `record`
+    brings a rank's uncaught exception and traceback to the job's failure summary."""
+    return record(run)()
+
+
+if __name__ == "__main__":
+    sys.exit(entry())
