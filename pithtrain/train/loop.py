@@ -266,7 +266,8 @@ def refuse_to_overwrite(run_dir: str, ckpt_dir: str, source: str | None = None) 
     if found:
         inside = os.path.abspath(ckpt_dir).startswith(os.path.abspath(run_dir) + os.sep)
         key, folder = ("log.run_dir", run_dir) if inside else ("checkpoint.dir", ckpt_dir)
-        todo = (f"to go on from {source}, name another {key}" if source else
+        todo = (f"to go on from {source}, name another {key} (or continue this run with checkpoint.resume=auto)"
+                if source else
                 f"continue it with checkpoint.resume=auto or start a new one in another {key}")
         raise ConfigError(f"{key} {folder} already holds a run (checkpoints up to step {found[-1][0]}); {todo}")
     if os.path.exists(metrics) and os.path.getsize(metrics):  # empty: a run that failed before step 1
