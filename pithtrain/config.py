@@ -291,8 +291,10 @@ def unwritable(path: str) -> str | None:
     """Why a folder cannot be made or filled at `path` (its nearest existing part is a file or not
     writable), or None."""
     part = os.path.abspath(path)
-    while not os.path.exists(part):
+    while not os.path.lexists(part):
         part = os.path.dirname(part)
+    if os.path.islink(part) and not os.path.exists(part):
+        return f"{part} is a link to nothing"
     if not os.path.isdir(part):
         return f"{part} is a file" if part != os.path.abspath(path) else "it is a file"
     if not os.access(part, os.W_OK | os.X_OK):

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -100,6 +101,13 @@ def test_fresh_run_refuses_an_existing_run_dir(tiny_corpus, tmp_path):
     with pytest.raises(ConfigError, match=f"already holds a run .*to go on from {re.escape(step2)}, name another"):
         train(load_config(toml, other[1:] + ["train.steps=4", f"checkpoint.resume={step2}"]))
     assert open(tmp_path / "other" / "metrics.jsonl").read() == kept
+    # the checkpoints folder itself is not a checkpoint: the message says what to name instead
+    with pytest.raises(checkpoint.CheckpointError, match="holds checkpoints rather than being one"):
+        train(load_config(toml, other[1:] + ["train.steps=4", f"checkpoint.resume={tmp_path}/other/checkpoints"]))
+    # a copy of the run's own checkpoint, restored from elsewhere, continues the run (same run id)
+    shutil.copytree(tmp_path / "other" / "checkpoints" / "step-00000002", tmp_path / "backup" / "step-00000002")
+    train(load_config(toml, other[1:] + ["train.steps=4", f"checkpoint.resume={tmp_path}/backup/step-00000002"]))
+    assert checkpoint.latest(str(tmp_path / "other" / "checkpoints")).endswith("step-00000004")
     # metrics but no checkpoint: resume=auto has nothing to continue and must not write over them either
     nock = ["train.steps=2", "optim.warmup_steps=1", f"log.run_dir={tmp_path}/nock", "checkpoint.every=0",
             "checkpoint.save_final=false"]
@@ -123,6 +131,9 @@ def test_paths_and_sizes_that_cannot_work_are_config_errors(tiny_corpus, tmp_pat
     with pytest.raises(ConfigError, match=r"log.run_dir = .*run.toml/run: the run cannot write there \(.*run.toml is "
                                           r"a file\)"):
         train(load_config(toml, [f"log.run_dir={toml}/run"]))
+    os.symlink(tmp_path / "gone", tmp_path / "dangling")
+    with pytest.raises(ConfigError, match=r"the run cannot write there \(.*dangling is a link to nothing\)"):
+        train(load_config(toml, [f"log.run_dir={tmp_path}/dangling"]))
     proc = run_cli("memory", toml, "--world", "0", check=False)
     assert proc.returncode == 2 and "--world 0" in proc.stderr and "Traceback" not in proc.stderr
     if not torch.cuda.is_available():

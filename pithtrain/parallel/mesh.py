@@ -136,7 +136,7 @@ def world_size() -> int:
     if n < 1:
         raise ConfigError(f"environment variable WORLD_SIZE={n}: launch with torchrun, or unset it for one process")
     if n > 1:
-        missing = [k for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]  # LOCAL_RANK: 0
         if missing:
             raise ConfigError(f"WORLD_SIZE={n} is set but {', '.join(missing)} not: launch with `torchrun "
                               f"--nproc-per-node=N -m pithtrain train ...` (it sets them all), or unset WORLD_SIZE "

@@ -449,11 +449,22 @@ def load_weights(path: str, model: torch.nn.Module) -> None:
 
 
 def require_optimizer_state(path: str) -> None:
-    """A run resumes only from a checkpoint with optimizer state (read from its metadata)."""
+    """A run resumes only from a complete checkpoint (sizes checked) with optimizer state (read from
+    its metadata)."""
+    verify(path)
     if not any(k.startswith("optim.") for k in _metadata(path).state_dict_metadata):
         raise CheckpointError(f"checkpoint {path} holds weights only, no optimizer state (e.g. made by `pithtrain "
                               f"convert hf-to-dcp`), so a run cannot resume from it; start from its weights with "
                               f"checkpoint.init_from={path}")
+
+
+def run_id(path: str) -> str | None:
+    """The id of the run that saved checkpoint `path` (trainer.json's "run"); None if it has none."""
+    try:
+        with open(os.path.join(path, "trainer.json")) as f:
+            return json.load(f).get("run")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:

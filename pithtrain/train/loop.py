@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import time
+import uuid
 
 import torch
 import torch.distributed as dist
@@ -276,6 +277,18 @@ def refuse_to_overwrite(run_dir: str, ckpt_dir: str, source: str | None = None) 
                           f"from; {todo} another log.run_dir (or move that one aside)")
 
 
+def of_this_run(path: str, ckpt_dir: str) -> bool:
+    """Whether checkpoint `path` belongs to the run whose checkpoints `ckpt_dir` holds: it lies
+    there (or is that folder), or it carries the run id of the newest checkpoint there (a copy
+    restored from elsewhere)."""
+    real, root = os.path.realpath(path), os.path.realpath(ckpt_dir)
+    if real == root or real.startswith(root + os.sep):
+        return True
+    found = checkpoint.complete_checkpoints(ckpt_dir)
+    ours = checkpoint.run_id(found[-1][1]) if found else None
+    return ours is not None and ours == checkpoint.run_id(path)
+
+
 def check_same_model(path: str, hf: dict) -> None:
     """A resume continues the model it was saved with: any field of the stored config.json that
     differs (top-k, rope_theta, eps, ... change the maths without changing a tensor shape) is an error."""
@@ -339,10 +352,11 @@ def train(cfg: RunConfig) -> dict:
     optimizer = build_optimizer(model, cfg.optim)
 
     ckpt_dir, start = cfg.checkpoint_dir, 0
+    run = uuid.uuid4().hex  # this run's id, saved in its checkpoints; a resume keeps the saved one
     resume = cfg.checkpoint.resume
     if resume == "none" or (resume == "auto" and not checkpoint.step_dirs(ckpt_dir)):
         refuse_to_overwrite(cfg.log.run_dir, ckpt_dir)  # auto with nothing to resume starts afresh: the same rule
-    elif resume != "auto" and not os.path.realpath(resume).startswith(os.path.realpath(ckpt_dir) + os.sep):
+    elif resume != "auto" and not of_this_run(resume, ckpt_dir):
         refuse_to_overwrite(cfg.log.run_dir, ckpt_dir, source=resume)  # another run's checkpoint
     if mesh is not None:
         dist.barrier()  # every rank has looked before rank 0 writes
@@ -366,7 +380,7 @@ def train(cfg: RunConfig) -> dict:
             raise ConfigError(f"checkpoint {path} was trained on a corpus with another tokenizer (fingerprint "
                               f"{state['tokenizer']}) than data.corpus = {d.corpus} ({corpus_tokenizer}); resume "
                               "with the corpus it was trained on")
-        start = state["step"]
+        start, run = state["step"], state.get("run", run)
         sampler.load_state_dict(state["data"])
         if state["data"]["global_batch"] != d.global_batch_size:
             notes.append(f"data.global_batch_size changed from {state['data']['global_batch']} to "
@@ -465,7 +479,7 @@ def train(cfg: RunConfig) -> dict:
             log.sync()
             checkpoint.save(ckpt_dir, done, model, optimizer,
                             {"data": sampler.state_dict(), "lr": lr, "tokenizer": corpus_tokenizer,
-                             "guard": guard.state_dict()},
+                             "guard": guard.state_dict(), "run": run},
                             cfg.checkpoint.keep, hf_config=cfg.model.hf)
             t_since += time.perf_counter() - t_save  # nor is saving
         if stop:
