@@ -144,7 +144,7 @@ def world_size() -> int:
         rank = _env_int("RANK", 0)
         if not 0 <= rank < n:
             raise ConfigError(f"environment variable RANK={rank} lies outside 0..{n - 1} (WORLD_SIZE={n})")
-        _env_int("LOCAL_RANK", 0)
+        _env_int("LOCAL_RANK", 0)  # a bad one named now, before the data and model are built
     return n
 
 
