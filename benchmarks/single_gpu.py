@@ -12,7 +12,8 @@ after backward as a trainer does; no host synchronisation). Ours runs as it trai
 weights under bf16 autocast (`--weights fp32`), or with bf16 weights and AdamW states as the HF
 side (`--weights bf16`). HF runs as its harness in
 docs/performance.md does: bf16 weights, fused AdamW. MFU is given against 989 TFLOP/s (the H200's
-dense bf16 figure) and against a bf16 8192^3 matmul measured in the same run.
+dense bf16 figure) and against a bf16 8192^3 matmul measured in the same run; `--clocks` adds the
+SM clock, power and clock-event reasons while each protocol ran (`Clocks`).
 Model FLOPs per token (training = 3 x forward): 6 * active parameters without the input
 embedding + 3 * per layer 2 * keys * heads * (qk_dim + v_dim), keys = S/2 under full causal
 attention and the mean keys per query, w - w(w-1)/(2S), under a sliding window of w.
@@ -22,9 +23,13 @@ import argparse
 import gc
 import json
 import os
+import subprocess
 import sys
 import time
 import statistics
+from collections import Counter
+from contextlib import nullcontext
+from select import select as select_read
 
 import torch
 
@@ -80,6 +85,69 @@ def time_steps(step, warmup: int, steps: int, protocol: str = "step") -> float:
     return statistics.median(times)
 
 
+REASONS = {0x1: "idle", 0x4: "sw_power_cap", 0x8: "hw_slowdown", 0x20: "sw_thermal", 0x40: "hw_thermal",
+           0x80: "hw_power_brake"}  # nvidia-smi's clock-event reason bits (the others: settings, display)
+
+
+class Clocks:
+    """What the GPU ran at while a protocol was timed (`--clocks`): `nvidia-smi` in its own process
+    (no share of the host's launches or of the GIL) samples the SM clock, the power draw and the
+    clock-event reasons (why the clock is below its maximum: a power cap, a thermal limit) every
+    50 ms; `summary()` gives their medians and each reason's share of the samples (the protocol's
+    warm-up steps included). The matmul ceiling and both sides move with this clock from one
+    machine to the next, so a figure of one run is read beside it. If `nvidia-smi` is missing or
+    refuses the query, the summary says so and the timing goes on."""
+
+    QUERY = "clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
+
+    def __init__(self, command: str = "nvidia-smi"):
+        self.command, self.proc, self.lines = command, None, []
+
+    def __enter__(self):
+        which = []
+        try:  # this process's GPU by its PCI address, however the machine numbers its GPUs
+            p = torch.cuda.get_device_properties(torch.cuda.current_device())
+            which = ["-i", f"{p.pci_domain_id:08X}:{p.pci_bus_id:02X}:{p.pci_device_id:02X}.0"]
+        except (AttributeError, RuntimeError, AssertionError):  # no CUDA, or a torch without these fields
+            pass
+        try:
+            self.proc = subprocess.Popen([self.command, f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits",
+                                          "-lms", "50", *which], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                         text=True)
+        except (OSError, ValueError) as e:
+            self.lines = [f"not sampled: {e}"]
+            return self
+        if select_read([self.proc.stdout], [], [], 10)[0]:  # its first sample (or its error) before the timing starts
+            self.lines.append(self.proc.stdout.readline())
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc is not None:
+            self.proc.terminate()
+            self.lines += self.proc.communicate()[0].splitlines()
+
+    def summary(self) -> dict:
+        rows = [[_number(f) for f in line.split(",")] for line in self.lines]
+        rows = [r for r in rows if len(r) == 4 and r[0] is not None]
+        if not rows:
+            return {"not_sampled": " | ".join(self.lines)[:300] or "no samples"}
+        reasons = Counter(name for r in rows for bit, name in REASONS.items() if int(r[3] or 0) & bit)
+        power = [r[1] for r in rows if r[1] is not None]
+        return dict(samples=len(rows), sm_mhz=statistics.median(r[0] for r in rows),
+                    power_w=statistics.median(power) if power else None,
+                    max_temp_c=max((r[2] for r in rows if r[2] is not None), default=None),
+                    reasons={k: round(v / len(rows), 3) for k, v in reasons.items()})  # share of the samples
+
+
+def _number(field: str) -> float | None:
+    """A field of nvidia-smi's csv (decimal, or hex for the reasons), None for [N/A] and the like."""
+    field = field.strip()
+    try:
+        return float(int(field, 16)) if field.startswith("0x") else float(field)
+    except ValueError:
+        return None
+
+
 def ours_step(model, opt, inputs: torch.Tensor, labels: torch.Tensor, step: str = "bench", clip: float = 0.0,
               autocast: bool = False):
     """Our training step as timed; `step(read_loss)` as `time_steps` calls it. `bench`: forward,
@@ -117,16 +185,20 @@ def matmul_ceiling() -> float:
 
 def measure(step, args, tokens: int, fpt: float, ceiling: float) -> dict:
     """The three protocols of `time_steps`; TFLOP/s and MFU are the `step` protocol's, the other
-    two protocols' tokens/s beside its own."""
+    two protocols' tokens/s beside its own; with `--clocks`, the GPU's clock and power during each."""
     torch.cuda.reset_peak_memory_stats()
-    t = time_steps(step, args.warmup, args.steps)
-    t_trainer = time_steps(step, 1, args.steps, "trainer")
-    t_pipelined = time_steps(step, 1, args.steps, "pipelined")
+    times, clocks = {}, {}
+    for protocol, warmup in (("step", args.warmup), ("trainer", 1), ("pipelined", 1)):
+        with Clocks() if args.clocks else nullcontext() as c:
+            times[protocol] = time_steps(step, warmup, args.steps, protocol)
+        if c is not None:
+            clocks[protocol] = c.summary()
+    t, t_trainer, t_pipelined = times["step"], times["trainer"], times["pipelined"]
     tflops = fpt * tokens / t / 1e12
     return dict(step_s=t, tokens_per_s=tokens / t, tflops=tflops, mfu_989=tflops / 989, mfu_ceiling=tflops / ceiling,
                 trainer_step_s=t_trainer, trainer_tokens_per_s=tokens / t_trainer,
                 pipelined_tokens_per_s=tokens / t_pipelined,
-                peak_gb=torch.cuda.max_memory_allocated() / 2**30)
+                peak_gb=torch.cuda.max_memory_allocated() / 2**30, **({"clocks": clocks} if clocks else {}))
 
 
 def profile(step, out_dir: str) -> None:
@@ -172,6 +244,8 @@ def main() -> None:
                    help="ours: forward, backward, clipping and AdamW (bench), or `pithtrain train`'s train_step (loop)")
     p.add_argument("--clip", type=float, default=0.0, help="clip the gradients' norm to this, as trainers do "
                    "(both default to 1.0): ours as `pithtrain train` does, HF with torch.nn.utils.clip_grad_norm_")
+    p.add_argument("--clocks", action="store_true", help="sample the SM clock, power and clock-event reasons with "
+                   "nvidia-smi while each protocol runs (off by default until its effect on the timing is measured)")
     p.add_argument("--profile", default="", help="also profile two steps of each: kernel table + trace in DIR/ours, DIR/hf")
     p.add_argument("--compile", choices=["on", "off"], default="on", help="torch.compile of our dense parts")
     p.add_argument("--recompute", choices=["none", "attention", "experts", "both"], default="none")
@@ -268,7 +342,7 @@ def main() -> None:
         results["ratio_peak_mem"] = results["ours"]["peak_gb"] / results["hf"]["peak_gb"]
     results["config"] = dict(model=args.model, layers=args.layers, seq=args.seq, mbs=args.mbs, steps=args.steps,
                              weights=args.weights, compile=args.compile, recompute=args.recompute, ce_chunk=args.ce_chunk,
-                             clip=args.clip, step=args.step,
+                             clip=args.clip, step=args.step, clocks=args.clocks,
                              flops_per_token=fpt, device=torch.cuda.get_device_name())
     print(json.dumps(results, indent=1))
 

@@ -293,20 +293,53 @@ def test_wandb_runs_of_one_training_run_share_a_group(tmp_path, monkeypatch, cap
     assert "wandb did not start (RuntimeError: No API key configured)" in capsys.readouterr().out
 
 
-def test_benchmark_steps_train_on_cpu():
-    """benchmarks/single_gpu.py's two forms of our step (`bench`: forward, backward, clipping, AdamW;
-    `loop`: train_step as `pithtrain train` runs it) take the same step with the same clipping, and
-    one without clipping differs (AdamW's eps of 1 keeps the update proportional to the gradient)."""
+def _benchmark_module():
     import importlib.util
 
-    from conftest import ROOT, TINY_MODEL
-    from pithtrain.layers.transformer import init_weights
-    from pithtrain.models import build_model
-    from pithtrain.train.optim import AdamW
+    from conftest import ROOT
 
     spec = importlib.util.spec_from_file_location("single_gpu", os.path.join(ROOT, "benchmarks", "single_gpu.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_benchmark_clock_sampler(tmp_path):
+    """The benchmark's `Clocks` reads nvidia-smi's csv while a protocol is timed (here a stand-in
+    script that prints four samples and waits to be stopped): medians of the SM clock and power, the
+    hottest temperature, each clock-event reason's share of the samples; [N/A] fields are skipped.
+    A command that cannot be started leaves the timing alone and says why in the summary."""
+    import time
+
+    bench = _benchmark_module()
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\n"
+                    "echo '1980, 690.5, 61, 0x0000000000000000'\n"
+                    "echo '1755, 700.1, 66, 0x0000000000000004'\n"
+                    "echo '1740, [N/A], 67, 0x0000000000000004'\n"
+                    "echo '1980, 650.0, 64, 0x0000000000000001'\n"
+                    "exec sleep 60\n")
+    fake.chmod(0o755)
+    with bench.Clocks(str(fake)) as c:
+        time.sleep(0.3)
+    got = c.summary()
+    assert got == dict(samples=4, sm_mhz=1867.5, power_w=690.5, max_temp_c=67.0,
+                       reasons={"sw_power_cap": 0.5, "idle": 0.25}), got
+    with bench.Clocks(str(tmp_path / "absent")) as c:
+        pass
+    assert "not_sampled" in c.summary() and "absent" in c.summary()["not_sampled"]
+
+
+def test_benchmark_steps_train_on_cpu():
+    """benchmarks/single_gpu.py's two forms of our step (`bench`: forward, backward, clipping, AdamW;
+    `loop`: train_step as `pithtrain train` runs it) take the same step with the same clipping, and
+    one without clipping differs (AdamW's eps of 1 keeps the update proportional to the gradient)."""
+    from conftest import TINY_MODEL
+    from pithtrain.layers.transformer import init_weights
+    from pithtrain.models import build_model
+    from pithtrain.train.optim import AdamW
+
+    bench = _benchmark_module()
     ids = torch.randint(0, TINY_MODEL["vocab_size"], (2, 17), generator=torch.Generator().manual_seed(0))
     after = []
     for form, clip in (("bench", 0.05), ("loop", 0.05), ("bench", 0.0)):
