@@ -153,16 +153,19 @@ def ours_step(model, opt, inputs: torch.Tensor, labels: torch.Tensor, step: str 
     """Our training step as timed; `step(read_loss)` as `time_steps` calls it. `bench`: forward,
     backward, clipping if `clip`, AdamW. `loop`: what `pithtrain train` runs, `train.loop.train_step`
     on a host batch (its upload, the target count, clipping, the guard's decision, one host
-    synchronisation, the MoE statistics), so the difference between the two is the loop's own cost."""
+    synchronisation, the MoE statistics), so the difference between the two is the loop's own cost.
+    `graphs`: `loop` with train.cuda_graphs = on (its warm-up steps are the timing's)."""
+    from pithtrain.train.graphs import StepGraphs
     from pithtrain.train.guard import StepGuard
     from pithtrain.train.loop import train_step
     from pithtrain.train.optim import clip_grad_norm
 
     tokens, dev = labels.numel(), inputs.device
-    if step == "loop":
+    if step in ("loop", "graphs"):
         guard, batch = StepGuard("halt", 0, 0.0, 1), [(inputs.cpu(), labels.cpu())]
         amp = torch.bfloat16 if autocast else None
-        return lambda read_loss=False: train_step(model, opt, batch, clip, dev, amp, guard=guard)
+        graphs = StepGraphs(model, opt, clip, dev, amp) if step == "graphs" else None
+        return lambda read_loss=False: train_step(model, opt, batch, clip, dev, amp, guard=guard, graphs=graphs)
 
     def run(read_loss: bool = False):
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
@@ -240,8 +243,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--only", choices=["ours", "hf", "both"], default="both")
-    p.add_argument("--step", choices=["bench", "loop"], default="bench",
-                   help="ours: forward, backward, clipping and AdamW (bench), or `pithtrain train`'s train_step (loop)")
+    p.add_argument("--step", choices=["bench", "loop", "graphs"], default="bench",
+                   help="ours: forward, backward, clipping and AdamW (bench), or `pithtrain train`'s train_step "
+                        "(loop), with train.cuda_graphs = on (graphs)")
     p.add_argument("--clip", type=float, default=0.0, help="clip the gradients' norm to this, as trainers do "
                    "(both default to 1.0): ours as `pithtrain train` does, HF with torch.nn.utils.clip_grad_norm_")
     p.add_argument("--clocks", action="store_true", help="sample the SM clock, power and clock-event reasons with "

@@ -34,6 +34,8 @@ class TrainConfig:
     param_dtype: Literal["fp32", "bf16"] = "fp32"
     compile: Literal["auto", "on", "off"] = "auto"  # torch.compile of the dense parts; auto: on with CUDA
     recompute: Literal["none", "attention", "experts", "both"] = "none"  # activation recompute in backward
+    # One process on one GPU: replay each step as CUDA graphs after 2 eager steps (train/graphs.py).
+    cuda_graphs: Literal["off", "on"] = "off"
     # A non-finite loss or gradient: halt (stop, naming the step, the ranks and the first module whose
     # output went non-finite) or skip the step (stop when more than max_skips steps in a row are skipped).
     nonfinite: Literal["halt", "skip"] = "halt"

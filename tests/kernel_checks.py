@@ -5,6 +5,7 @@ import collections
 import contextlib
 import sys
 
+import pytest
 import torch
 
 from pithtrain.ops import adamw as aw
@@ -236,18 +237,19 @@ def check_adamw(device: str) -> None:
     """The kernel against its twin (ragged sizes, bf16 states on CUDA, with and without clipping's
     factor), then the optimizer against torch.optim.AdamW over several steps (the factor given to
     ours, the gradients scaled by it for torch's): same numbers, same state format."""
-    from pithtrain.train.optim import AdamW
+    from pithtrain.train.optim import AdamW, set_lr
 
     assert use_triton(torch.empty(1, device=device), ndim=None), "the Triton path is not taken"
     gen = torch.Generator(device).manual_seed(3)
     sizes = [1, 4097, 0, 3 * aw.BLOCK + 5] + ([1 << 22] if device == "cuda" else [])
     for dtype in ([torch.float32, torch.bfloat16] if device == "cuda" else [torch.float32]):
-        for n, scale in zip(sizes, [None, torch.tensor(0.25, device=device)] * 3):
+        for i, (n, scale) in enumerate(zip(sizes, [None, torch.tensor(0.25, device=device)] * 3)):
             p, g, m = (torch.randn(n, device=device, generator=gen).to(dtype) for _ in range(3))
             v = torch.rand(n, device=device, generator=gen).to(dtype)
             step = torch.tensor(7.0, device=device)
             want = [t.clone() for t in (p, g, m, v)]
-            aw.adamw_update(p, g, m, v, step, 1e-2, 0.9, 0.95, 1e-8, 0.1, scale)
+            lr = torch.tensor(1e-2, device=device) if i % 3 == 2 else 1e-2  # read from the device by the kernel
+            aw.adamw_update(p, g, m, v, step, lr, 0.9, 0.95, 1e-8, 0.1, scale)
             aw.adamw_reference(*want, step, 1e-2, 0.9, 0.95, 1e-8, 0.1, scale)
             for got, ref in zip((p, m, v), (want[0], want[2], want[3])):
                 tol = 1e-6 if dtype == torch.float32 else 1e-2
@@ -265,13 +267,17 @@ def check_adamw(device: str) -> None:
     opts = [AdamW(groups(ours), **kw), torch.optim.AdamW(groups(ref), **kw)]
     for it in range(5):
         scale = torch.tensor(0.5 + 0.1 * it, device=device) if it % 2 else None
+        lr = 3e-3 / (it + 1)  # steps 3 and 4: ours at a device tensor's rate, the groups' own lr left behind
         for ps, opt in zip((ours, ref), opts):
             g = torch.Generator(device).manual_seed(10 + it)
             for p in ps:
                 p.grad = torch.randn(p.shape, device=device, generator=g)
             if opt is opts[0]:
-                opt.step(grad_scale=scale)
+                if it < 3:
+                    set_lr(opt, lr)
+                opt.step(grad_scale=scale, lr=torch.tensor(lr, device=device) if it >= 3 else None)
             else:
+                set_lr(opt, lr)
                 for p in ps:
                     p.grad *= 1.0 if scale is None else scale
                 opt.step()
@@ -280,6 +286,8 @@ def check_adamw(device: str) -> None:
     s0, s1 = opts[0].state_dict()["state"], opts[1].state_dict()["state"]
     assert s0.keys() == s1.keys() and all(s0[k].keys() == s1[k].keys() for k in s0)
     assert all(float(s0[k]["step"]) == float(s1[k]["step"]) == 5 for k in s0)
+    with pytest.raises(ValueError, match="kernel's path only"):  # torch's own step would not read it
+        AdamW(params(), lr=1e-3, amsgrad=True).step(lr=torch.tensor(1e-3, device=device))
 
 
 def check_adamw_on_dtensors() -> None:

@@ -504,3 +504,32 @@ def test_memory_estimate_is_close_to_the_measured_peak(model):
         est_one / 2**30, one / 2**30, est_two / 2**30, two / 2**30)
     del m, opt
     torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("extra", [[], ["data.document_mask=true", "optim.grad_clip=0.5", "data.global_batch_size=6",
+                                       "train.nonfinite=skip"]])
+def test_cuda_graphs_repeat_the_eager_run(tiny_corpus, tmp_path, extra):
+    """train.cuda_graphs = on (the step replayed as two CUDA graphs after 2 eager steps) logs the
+    eager loop's numbers bit for bit under train.deterministic: losses, gradient norms, MoE
+    statistics, validation between replays, a resume from a checkpoint, and (second case) document
+    masking, three micro-batches a step and a step the guard skips (PITHTRAIN_FAULT's nan-loss)."""
+    import json
+
+    from conftest import run_cli, write_run
+
+    toml = write_run(tmp_path, tiny_corpus, "steps = 12\ndevice = \"cuda\"\ndeterministic = true\n", head_dim=16)
+    env = {"PITHTRAIN_FAULT": "nan-loss:6"} if extra else None
+    records = {}
+    for mode in ("off", "on"):
+        run = [f"log.run_dir={tmp_path}/{mode}", "log.every=1", f"train.cuda_graphs={mode}", *extra]
+        run_cli("train", toml, "train.stop_at=8", *run, env=env)
+        run_cli("train", toml, "checkpoint.resume=auto", *run)  # steps 9-12 from step 8's checkpoint, captured anew
+        with open(f"{tmp_path}/{mode}/metrics.jsonl") as f:
+            records[mode] = [{k: v for k, v in r.items() if k not in ("tokens_per_s", "step_time_s", "peak_mem_gb")}
+                             for r in map(json.loads, f)]
+    eager, graphed = records["off"], records["on"]
+    assert [r["step"] for r in eager] == list(range(1, 13)) and "val_loss" in eager[3], eager
+    assert all("aux_loss" in r for r in eager)
+    if extra:
+        assert eager[5]["skipped_steps"] == 1 and eager[4]["skipped_steps"] == 0, eager
+    assert graphed == eager

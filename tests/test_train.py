@@ -82,6 +82,21 @@ def test_tokenizer_larger_than_model_vocab(tiny_corpus, tmp_path):
         train(load_config(toml, ["model.vocab_size=100", "train.steps=2", "optim.warmup_steps=1"]))
 
 
+def test_cuda_graphs_are_refused_off_a_single_gpu(tiny_corpus, tmp_path, monkeypatch):
+    """train.cuda_graphs = on: on the CPU, or in a run under torchrun (FSDP), a config error that
+    says to turn it off, before anything is written (the graphed step itself: tests/test_gpu.py)."""
+    from pithtrain.train import loop
+
+    toml = write_run(tmp_path, tiny_corpus)
+    with pytest.raises(ConfigError, match="this run is on the CPU .*set train.cuda_graphs=off"):
+        train(load_config(toml, ["train.steps=2", "train.cuda_graphs=on"]))
+    monkeypatch.setattr(loop, "resolve_device", lambda cfg: (torch.device("cuda"), torch.bfloat16))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    with pytest.raises(ConfigError, match=r"this run is in 1 process\(es\) under torchrun .*cuda_graphs=off"):
+        train(load_config(toml, ["train.steps=2", "train.cuda_graphs=on"]))
+    assert not (tmp_path / "run").exists()
+
+
 def test_fresh_run_refuses_an_existing_run_dir(tiny_corpus, tmp_path):
     toml = write_run(tmp_path, tiny_corpus)
     train(load_config(toml, ["train.steps=2", "optim.warmup_steps=1"]))

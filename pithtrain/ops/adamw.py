@@ -14,6 +14,8 @@ is its torch twin. The optimizer that calls it is `AdamW` in `train/optim.py`.
 
 import math
 
+import torch
+
 from pithtrain.ops import triton, use_triton
 
 if triton is not None:
@@ -39,10 +41,12 @@ def adamw_reference(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay, grad_
 if triton is not None:
 
     @triton.jit
-    def _adamw(p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, scale_ptr, n, lr, beta1, beta2, eps, decay, log_beta1,
+    def _adamw(p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, scale_ptr, n, lr, lr_ptr, beta1, beta2, eps, decay, log_beta1,
                log_beta2, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
+        if lr_ptr is not None:
+            lr = tl.load(lr_ptr).to(tl.float32)
         t = tl.load(step_ptr).to(tl.float32)
         bc1 = 1.0 - tl.exp(t * log_beta1)
         bc2 = 1.0 - tl.exp(t * log_beta2)
@@ -65,11 +69,15 @@ def _log(beta: float) -> float:
 
 
 def adamw_update(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay, grad_scale=None) -> None:
-    """`adamw_reference` as one kernel launch (contiguous tensors of one shape), the twin otherwise."""
+    """`adamw_reference` as one kernel launch (contiguous tensors of one shape), the twin otherwise.
+    `lr` is a float, or a 0-d device tensor read by the kernel (a CUDA graph of the update then
+    follows the schedule: `train/graphs.py`)."""
     tensors = (p, g, m, v)
     if not (use_triton(p, ndim=None) and all(t.is_contiguous() and t.shape == p.shape for t in tensors)):
         return adamw_reference(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay, grad_scale)
     n = p.numel()
     if n:
-        _adamw[(triton.cdiv(n, BLOCK),)](p, g, m, v, step, grad_scale, n, lr, beta1, beta2, eps, weight_decay,
+        on_device = isinstance(lr, torch.Tensor)
+        _adamw[(triton.cdiv(n, BLOCK),)](p, g, m, v, step, grad_scale, n, 0.0 if on_device else lr,
+                                         lr if on_device else None, beta1, beta2, eps, weight_decay,
                                          _log(beta1), _log(beta2), BLOCK=BLOCK, num_warps=WARPS)

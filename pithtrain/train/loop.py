@@ -30,6 +30,7 @@ from pithtrain.parallel.fsdp import build_parallel
 from pithtrain.parallel.mesh import Mesh, init_distributed, plan_layout, world_size
 from pithtrain.tools.memory import check_fits, estimate_for_run
 from pithtrain.train import checkpoint
+from pithtrain.train.graphs import StepGraphs
 from pithtrain.train.guard import (Preemption, StepGuard, TrainingHalted, collective_failure, first_nonfinite_module,
                                    silent_ranks, inject_failure, injected, out_of_memory_report)
 from pithtrain.train.corpus import tokenizer_fingerprint, vocabulary_fingerprint
@@ -160,12 +161,14 @@ def _device_batch(mb: tuple, device) -> tuple:
 
 def train_step(model: CausalLM, optimizer, micro_batches: list, grad_clip: float, device, amp,
                mesh: Mesh | None = None, guard: StepGuard | None = None, step: int = 0,
-               preemption: Preemption | None = None) -> dict:
+               preemption: Preemption | None = None, graphs: StepGraphs | None = None) -> dict:
     """Forward/backward over this rank's micro-batches (input_ids, labels[, position_ids[, doc_ids]]),
     clip, and the optimizer step unless `guard` skips it (`out["skipped"]`: the reason) or halts
     the run (non-finite values under train.nonfinite = halt). `step` is 1-based; `out["stop"]`: some
     rank was asked to stop (SIGTERM: `preemption.flag`, read at the guard's all-reduce, so a signal
     that arrives during this step's forward or backward stops the run after this step).
+    `graphs` (train.cuda_graphs, one process): after its warm-up steps, the forward, backward and
+    norm, then the optimizer step, are replayed as CUDA graphs (`train/graphs.py`), the rest as here.
     Returns device tensors; host synchronisations: the global token count (distributed) and the
     guard's decision."""
     counts = [int((mb[1] != -100).sum()) for mb in micro_batches]  # on the host, before upload
@@ -177,25 +180,28 @@ def train_step(model: CausalLM, optimizer, micro_batches: list, grad_clip: float
     if n_tokens == 0:
         raise ValueError(f"step {step}: every label of the step is -100 (ignored): there is nothing to train on")
     inject_failure(step)
-    loss_sum = torch.zeros((), device=device)
-    losses = []  # each micro-batch's loss (detached; looked at only if the step halts)
-    for mb, count in zip(micro_batches, counts):
-        ids, labels, pos, docs = _device_batch(mb, device)
-        # Balancing losses: the single-process value weights micro-batch i by its share of the step's
-        # targets, and its P by all its tokens; every rank holds as many of those, so 1/ranks of the share.
-        share = count / n_tokens / ranks
-        with autocast(device, amp):
-            loss = model(ids, labels=labels, position_ids=pos, aux_weight=share, doc_ids=docs)
-        if injected("nan-loss", step):
-            loss = loss * float("nan")
-        elif injected("spike-loss", step):
-            loss = loss * 100.0
-        (loss / n_tokens).backward()
-        loss_sum += loss.detach()
-        losses.append(loss.detach())
+    factor = float("nan") if injected("nan-loss", step) else 100.0 if injected("spike-loss", step) else None
     params = list(model.parameters())  # all: a rank without gradients still needs the device of its all-reduce
-    replicas = mesh.layout.dp_replicate if mesh is not None else 1
-    grad_norm, clip = clip_grad_norm(params, grad_clip, mesh.data_group if mesh is not None else None, replicas)
+    if graphs is not None and graphs.ready():
+        loss_sum, losses, grad_norm = graphs.forward_backward(micro_batches, counts, n_tokens, factor or 1.0)
+    else:
+        loss_sum = torch.zeros((), device=device)
+        losses = []  # each micro-batch's loss (detached; looked at only if the step halts)
+        for mb, count in zip(micro_batches, counts):
+            ids, labels, pos, docs = _device_batch(mb, device)
+            # Balancing losses: the single-process value weights micro-batch i by its share of the step's
+            # targets, and its P by all its tokens; every rank holds as many of those, so 1/ranks of the share.
+            share = count / n_tokens / ranks
+            with autocast(device, amp):
+                loss = model(ids, labels=labels, position_ids=pos, aux_weight=share, doc_ids=docs)
+            if factor is not None:
+                loss = loss * factor
+            (loss / n_tokens).backward()
+            loss_sum += loss.detach()
+            losses.append(loss.detach())
+        replicas = mesh.layout.dp_replicate if mesh is not None else 1
+        grad_norm, clip = clip_grad_norm(params, grad_clip, mesh.data_group if mesh is not None else None, replicas)
+        graphs = None  # this step is eager throughout
     stop_requested = preemption is not None and preemption.flag
     reason, bad_ranks, stop = (guard.check(loss_sum, n_tokens, grad_norm, None, stop_requested) if guard is not None
                                else (None, [], False))
@@ -218,9 +224,12 @@ def train_step(model: CausalLM, optimizer, micro_batches: list, grad_clip: float
         raise TrainingHalted(f"step {step}: {reason}" + (f" on rank(s) {bad_ranks}" if bad_ranks else "") +
                              f"; {found}. Set train.nonfinite=skip to skip such steps, lower optim.lr, or resume "
                              "from an earlier checkpoint")
-    if reason is None:
+    if reason is None and graphs is not None:
+        graphs.update()
+    elif reason is None:
         optimizer_step(optimizer, clip, params)
-    optimizer.zero_grad(set_to_none=True)
+    if graphs is None:  # replays write the gradients afresh, in the graphs' memory
+        optimizer.zero_grad(set_to_none=True)
     stats = [block.end_step(applied=reason is None) for block in model.moe_blocks()]
     aux = torch.stack([s["aux"] for s in stats]).sum() if stats else torch.zeros((), device=device)
     sums = _sum(torch.stack([loss_sum, aux.to(loss_sum.dtype)]), mesh)
@@ -341,6 +350,11 @@ def train(cfg: RunConfig) -> dict:
                      f"{len(val_ds) // d.global_batch_size} global batches: val_loss uses those")
     sampler = GlobalBatchSampler(len(train_ds), d.global_batch_size, cfg.train.seed, d.seq_len, train_ds.n_tokens)
     launched = "TORCHELASTIC_RUN_ID" in os.environ or layout.world > 1  # under torchrun: the sharded path
+    if cfg.train.cuda_graphs == "on" and (device.type != "cuda" or launched):
+        where = "on the CPU" if device.type != "cuda" else f"in {layout.world} process(es) under torchrun"
+        raise ConfigError(f"train.cuda_graphs = on replays the step of one process on one GPU, and this run is {where} "
+                          "(FSDP, expert and context parallelism run collectives a graph cannot hold); "
+                          "set train.cuda_graphs=off")
     mesh = init_distributed(layout, device.type, cfg.parallel.timeout_s) if launched else None
     device = mesh.device if mesh is not None else device
     rank0 = mesh is None or mesh.rank == 0
@@ -414,6 +428,7 @@ def train(cfg: RunConfig) -> dict:
     guard = StepGuard(t.nonfinite, t.max_skips, t.spike_factor, t.spike_window)
     if path is not None and "guard" in state:  # the spike window and skip counts go on as if never stopped
         guard.load_state_dict(state["guard"])
+    graphs = StepGraphs(model, optimizer, cfg.optim.grad_clip, device, amp) if t.cuda_graphs == "on" else None
     preemption = Preemption().install()
     preempted = None
     last, tokens_since, t_since = {}, 0, time.perf_counter()
@@ -427,7 +442,7 @@ def train(cfg: RunConfig) -> dict:
         done = step + 1
         try:
             last = train_step(model, optimizer, micro, cfg.optim.grad_clip, device, amp, mesh, guard, done,
-                              preemption)
+                              preemption, graphs)
             if last["skipped"] is not None:
                 log.say(f"step {done}: skipped ({last['skipped']}); {guard.skipped_in_a_row + 1} in a row, "
                         f"{guard.skipped_total + 1} in all")

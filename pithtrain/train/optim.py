@@ -38,13 +38,17 @@ class AdamW(torch.optim.AdamW):
     CUDA runs `ops/adamw.py`'s kernel once per parameter, on the local shard of an FSDP parameter.
     Options the kernel does not cover (amsgrad, maximize, ...) and CPU take torch's own step.
     `step(grad_scale=s)` (a 0-d tensor, clipping's factor) steps as if every gradient were times s:
-    the kernel scales each gradient as it reads it; torch's step gets them scaled first."""
+    the kernel scales each gradient as it reads it; torch's step gets them scaled first.
+    `step(lr=t)` (a 0-d tensor on the parameters' device) steps every group at the rate the kernel
+    reads from `t` (a captured step then follows the schedule: `train/graphs.py`)."""
 
     @torch.no_grad()
-    def step(self, closure=None, grad_scale: torch.Tensor | None = None):
+    def step(self, closure=None, grad_scale: torch.Tensor | None = None, lr: torch.Tensor | None = None):
         groups = self.param_groups
         if (closure is not None or any(g["amsgrad"] or g["maximize"] for g in groups)
                 or not all(use_triton(_local(p), ndim=None) for g in groups for p in g["params"])):
+            if lr is not None:
+                raise ValueError("AdamW.step(lr=tensor) takes the kernel's path only (Triton, no amsgrad or maximize)")
             if grad_scale is not None:
                 _scale_grads([p for g in groups for p in g["params"]], grad_scale)
             return super().step(closure)
@@ -62,7 +66,8 @@ class AdamW(torch.optim.AdamW):
             for p in params:
                 s = self.state[p]
                 adamw_update(_local(p), _local(p.grad), _local(s["exp_avg"]), _local(s["exp_avg_sq"]), s["step"],
-                             float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"], grad_scale)
+                             float(group["lr"]) if lr is None else lr, beta1, beta2, group["eps"],
+                             group["weight_decay"], grad_scale)
         return None
 
 
