@@ -533,3 +533,9 @@ def test_cuda_graphs_repeat_the_eager_run(tiny_corpus, tmp_path, extra):
     if extra:
         assert eager[5]["skipped_steps"] == 1 and eager[4]["skipped_steps"] == 0, eager
     assert graphed == eager
+    if extra:  # the halt path after replays: the guard's report, the micro-batch's forward run again eagerly
+        halt = [e for e in extra if e != "train.nonfinite=skip"]
+        proc = run_cli("train", toml, f"log.run_dir={tmp_path}/halt", "train.cuda_graphs=on", *halt,
+                       env={"PITHTRAIN_FAULT": "nan-loss:5"}, check=False)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode != 0 and "step 5: non-finite loss" in out and "micro-batch 1 of 3" in out, out[-3000:]

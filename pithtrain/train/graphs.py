@@ -55,8 +55,8 @@ class StepGraphs:
         return True
 
     def forward_backward(self, micro_batches: list, counts: list[int], n_tokens: int, loss_factor: float):
-        """Replay A on this step's data (capturing it first); -> (loss sum, per-micro-batch losses,
-        gradient norm), copies that outlive the next replay."""
+        """Replay A on this step's data (capturing it first); -> (loss sum, list of each micro-batch's
+        loss, gradient norm), copies that outlive the next replay."""
         lr = {g["lr"] for g in self.optimizer.param_groups}
         if len(lr) != 1:
             raise ValueError(f"train.cuda_graphs: the optimizer's groups step at {sorted(lr)}; the graph "
@@ -67,7 +67,7 @@ class StepGraphs:
         if self.graph_a is None:
             self._capture()
         self.graph_a.replay()
-        return self.loss_sum.clone(), self.losses.clone(), self.norm.clone()
+        return self.loss_sum.clone(), list(self.losses.clone().unbind()), self.norm.clone()
 
     def update(self) -> None:
         self.graph_b.replay()
