@@ -97,6 +97,59 @@ def test_cuda_graphs_are_refused_off_a_single_gpu(tiny_corpus, tmp_path, monkeyp
     assert not (tmp_path / "run").exists()
 
 
+def test_the_captured_body_is_the_eager_step_on_cpu():
+    """What `train/graphs.py` captures as graph A, run directly on the CPU from its static buffers
+    and device scalars, gives the eager `train_step`'s gradients (as the optimizer sees them, clipped),
+    losses, norm and MoE statistics bit for bit: three micro-batches with ignored labels (each one's
+    share of the balancing losses, 1 / the step's targets), clipping, and the spike-loss factor."""
+    import copy
+
+    from conftest import TINY_MODEL, masked_middle_batches
+    from pithtrain.layers.transformer import init_weights
+    from pithtrain.train.graphs import StepGraphs
+    from pithtrain.train.loop import train_step
+
+    class Recorder:  # an optimizer that keeps the gradients it is handed
+        param_groups = [{"lr": 1e-3}]
+
+        def __init__(self, model):
+            self.model = model
+
+        def step(self):
+            self.grads = [p.grad.clone() for p in self.model.parameters()]
+
+        def zero_grad(self, set_to_none=True):
+            for p in self.model.parameters():
+                p.grad = None
+
+    torch.manual_seed(0)
+    eager = build_model(dict(TINY_MODEL), BalanceOptions("micro_batch", 0.01, 0.001))
+    init_weights(eager, 0)
+    graphed = copy.deepcopy(eager)
+    micro = masked_middle_batches(TINY_MODEL["vocab_size"], 2, 16, 3)
+    micro[1][1][0, :3] = -100  # micro-batches of different target counts
+    counts = [int((labels != -100).sum()) for _, labels in micro]
+    rec = Recorder(eager)
+    for factor, spike in ((1.0, ""), (100.0, "spike-loss:1")):
+        os.environ["PITHTRAIN_FAULT"] = spike
+        try:
+            out = train_step(eager, rec, micro, 0.5, torch.device("cpu"), None, step=1)
+        finally:
+            del os.environ["PITHTRAIN_FAULT"]
+        body = StepGraphs(graphed, Recorder(graphed), 0.5, torch.device("cpu"), None)
+        inv = (torch.ones(()) / sum(counts)).item()
+        body._load(micro, body.scalar_values(counts, inv, factor))
+        body._forward_backward()
+        stats = [b.end_step() for b in graphed.moe_blocks()]  # eager's: read by train_step into `out`
+        assert torch.equal(out["loss"] * sum(counts), body.loss_sum) and torch.equal(out["grad_norm"], body.norm)
+        for want, p in zip(rec.grads, graphed.parameters()):
+            assert torch.equal(want, p.grad * body.scale)
+        loads = torch.stack([st["load"] for st in stats])
+        assert torch.equal(out["aux_loss"], torch.stack([st["aux"] for st in stats]).sum()) and out["aux_loss"] > 0
+        assert torch.equal(out["expert_load_imbalance"], (loads.max(1).values / loads.mean(1).clamp(min=1e-9)).mean())
+        graphed.zero_grad(set_to_none=True)
+
+
 def test_fresh_run_refuses_an_existing_run_dir(tiny_corpus, tmp_path):
     toml = write_run(tmp_path, tiny_corpus)
     train(load_config(toml, ["train.steps=2", "optim.warmup_steps=1"]))

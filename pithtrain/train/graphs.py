@@ -54,16 +54,11 @@ class StepGraphs:
             return False
         return True
 
-    def forward_backward(self, micro_batches: list, counts: list[int], n_tokens: int, loss_factor: float):
+    def forward_backward(self, micro_batches: list, counts: list[int], inv_tokens: float, loss_factor: float):
         """Replay A on this step's data (capturing it first); -> (loss sum, list of each micro-batch's
-        loss, gradient norm), copies that outlive the next replay."""
-        lr = {g["lr"] for g in self.optimizer.param_groups}
-        if len(lr) != 1:
-            raise ValueError(f"train.cuda_graphs: the optimizer's groups step at {sorted(lr)}; the graph "
-                             "reads one learning rate")
-        inv = (torch.ones((), dtype=torch.float32) / n_tokens).item()  # fp32's 1/n, as eager's `loss / n` takes it
-        values = [inv, loss_factor, lr.pop()] + [c / n_tokens for c in counts]
-        self._load(micro_batches, torch.tensor(values, dtype=torch.float32))
+        loss, gradient norm), copies that outlive the next replay. `inv_tokens`: 1 / the step's
+        targets, `counts`: each micro-batch's targets."""
+        self._load(micro_batches, self.scalar_values(counts, inv_tokens, loss_factor))
         if self.graph_a is None:
             self._capture()
         self.graph_a.replay()
@@ -71,6 +66,15 @@ class StepGraphs:
 
     def update(self) -> None:
         self.graph_b.replay()
+
+    def scalar_values(self, counts: list[int], inv_tokens: float, loss_factor: float) -> torch.Tensor:
+        """`self.scalars` of a step, on the host: each micro-batch's share is as eager computes it."""
+        lr = {g["lr"] for g in self.optimizer.param_groups}
+        if len(lr) != 1:
+            raise ValueError(f"train.cuda_graphs: the optimizer's groups step at {sorted(lr)}; the graph "
+                             "reads one learning rate")
+        n_tokens = sum(counts)
+        return torch.tensor([inv_tokens, loss_factor, lr.pop()] + [c / n_tokens for c in counts], dtype=torch.float32)
 
     def _load(self, micro_batches: list, scalars: torch.Tensor) -> None:
         batches = [tuple((list(mb) + [None, None])[:4]) for mb in micro_batches]

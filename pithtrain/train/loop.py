@@ -181,9 +181,10 @@ def train_step(model: CausalLM, optimizer, micro_batches: list, grad_clip: float
         raise ValueError(f"step {step}: every label of the step is -100 (ignored): there is nothing to train on")
     inject_failure(step)
     factor = float("nan") if injected("nan-loss", step) else 100.0 if injected("spike-loss", step) else None
+    inv_tokens = (torch.ones((), dtype=torch.float32) / n_tokens).item()  # fp32's 1/n, the graphed step's too
     params = list(model.parameters())  # all: a rank without gradients still needs the device of its all-reduce
     if graphs is not None and graphs.ready():
-        loss_sum, losses, grad_norm = graphs.forward_backward(micro_batches, counts, n_tokens, factor or 1.0)
+        loss_sum, losses, grad_norm = graphs.forward_backward(micro_batches, counts, inv_tokens, factor or 1.0)
     else:
         loss_sum = torch.zeros((), device=device)
         losses = []  # each micro-batch's loss (detached; looked at only if the step halts)
@@ -196,7 +197,7 @@ def train_step(model: CausalLM, optimizer, micro_batches: list, grad_clip: float
                 loss = model(ids, labels=labels, position_ids=pos, aux_weight=share, doc_ids=docs)
             if factor is not None:
                 loss = loss * factor
-            (loss / n_tokens).backward()
+            (loss * inv_tokens).backward()
             loss_sum += loss.detach()
             losses.append(loss.detach())
         replicas = mesh.layout.dp_replicate if mesh is not None else 1
