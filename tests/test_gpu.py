@@ -532,7 +532,7 @@ def test_cuda_graphs_repeat_the_eager_run(tiny_corpus, tmp_path, extra):
     assert all("aux_loss" in r for r in eager)
     if extra:
         assert eager[5]["skipped_steps"] == 1 and eager[4]["skipped_steps"] == 0, eager
-    assert graphed == eager
+    assert json.dumps(graphed) == json.dumps(eager)  # as text: the skipped step's NaN loss equals itself
     if extra:  # the halt path after replays: the guard's report, the micro-batch's forward run again eagerly
         halt = [e for e in extra if e != "train.nonfinite=skip"]
         proc = run_cli("train", toml, f"log.run_dir={tmp_path}/halt", "train.cuda_graphs=on", *halt,
