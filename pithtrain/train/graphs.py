@@ -83,9 +83,10 @@ class StepGraphs:
             self.inputs = [tuple(None if t is None else torch.empty(t.shape, dtype=t.dtype, device=self.device)
                                  for t in mb) for mb in batches]
             self.scalars = torch.empty(len(scalars), dtype=torch.float32, device=self.device)
-        layout = [[None if t is None else (t.shape, t.dtype) for t in mb] for mb in batches]
-        if len(scalars) != len(self.scalars) or layout != [[None if t is None else (t.shape, t.dtype) for t in mb]
-                                                           for mb in self.inputs]:
+        def layout(mbs):
+            return [[None if t is None else (t.shape, t.dtype) for t in mb] for mb in mbs]
+
+        if len(scalars) != len(self.scalars) or layout(batches) != layout(self.inputs):
             raise ValueError("train.cuda_graphs: this step's micro-batches differ in number, shape or dtype from "
                              "the captured ones; every step of a run must have the same; set train.cuda_graphs=off")
         for static, mb in zip(self.inputs, batches):
@@ -118,8 +119,7 @@ class StepGraphs:
             for block in self.model.moe_blocks():
                 block.end_step(applied=False)
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()  # the eager steps' cached blocks go back before the graphs take theirs
+        # torch.cuda.graph synchronises and empties the cache on entry: the eager steps' cached blocks go back
         graph_a, graph_b = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph_a, stream=stream, capture_error_mode="thread_local"):
