@@ -155,6 +155,11 @@ def batch_tensors(dataset: PackedDataset, indices: list[int]) -> tuple[torch.Ten
     return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
 
+def micro_batch_fields(mb: tuple) -> tuple:
+    """A micro-batch as all four fields (input_ids, labels, position_ids, doc_ids); missing ones are None."""
+    return tuple((list(mb) + [None, None])[:4])
+
+
 def document_ids(dataset: PackedDataset, indices: list[int]) -> torch.Tensor:
     """[B, seq_len] int64: which document of its window each input token belongs to (0, 1, ...; a new
     document starts at the token after an end-of-document token), for document masking."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from pithtrain.config import ConfigError
+from pithtrain.train.data import micro_batch_fields
 from pithtrain.train.optim import clip_grad_norm
 
 WARMUP = 2  # eager steps before capture: the first compiles, the second runs as every later step
@@ -78,7 +79,7 @@ class StepGraphs:
         return torch.tensor([inv_tokens, loss_factor, lr.pop()] + [c / n_tokens for c in counts], dtype=torch.float32)
 
     def _load(self, micro_batches: list, scalars: torch.Tensor) -> None:
-        batches = [tuple((list(mb) + [None, None])[:4]) for mb in micro_batches]
+        batches = [micro_batch_fields(mb) for mb in micro_batches]
         if not self.inputs:
             self.inputs = [tuple(None if t is None else torch.empty(t.shape, dtype=t.dtype, device=self.device)
                                  for t in mb) for mb in batches]

@@ -34,7 +34,8 @@ from pithtrain.train.graphs import StepGraphs
 from pithtrain.train.guard import (Preemption, StepGuard, TrainingHalted, collective_failure, first_nonfinite_module,
                                    silent_ranks, inject_failure, injected, out_of_memory_report)
 from pithtrain.train.corpus import tokenizer_fingerprint, vocabulary_fingerprint
-from pithtrain.train.data import GlobalBatchSampler, PackedDataset, batch_tensors, document_ids, validation_batches
+from pithtrain.train.data import (GlobalBatchSampler, PackedDataset, batch_tensors, document_ids, micro_batch_fields,
+                                  validation_batches)
 from pithtrain.train.hf import read_hf_config
 from pithtrain.train.log import QuietLog, RunLog, peak_memory_gb, plot_losses
 from pithtrain.train.optim import build_optimizer, clip_grad_norm, lr_at, optimizer_step, set_hyperparameters, set_lr
@@ -156,7 +157,7 @@ def evaluate(model: CausalLM, micro_batches: list[list[tuple]], device, amp, mes
 
 
 def _device_batch(mb: tuple, device) -> tuple:
-    return tuple(t.to(device, non_blocking=True) if t is not None else None for t in (list(mb) + [None, None])[:4])
+    return tuple(t.to(device, non_blocking=True) if t is not None else None for t in micro_batch_fields(mb))
 
 
 def train_step(model: CausalLM, optimizer, micro_batches: list, grad_clip: float, device, amp,
