@@ -82,6 +82,18 @@ def test_first_nonfinite_module_is_named():
     assert first_nonfinite_module(model, lambda: model(batch[0][0])) is None
 
 
+def test_first_nonfinite_module_is_named_when_the_dense_parts_are_compiled():
+    """The hooks' finiteness test is data-dependent: inside a fullgraph-compiled region it would fail
+    to trace, so the search forward runs eagerly."""
+    torch._dynamo.reset()
+    model, batch = tiny()
+    model.compile_dense()
+    with torch.no_grad():
+        model(batch[0][0])  # compiled without hooks
+        model.model.layers["1"].self_attn.o_proj.weight[0, 0] = float("nan")
+    assert first_nonfinite_module(model, lambda: model(batch[0][0])) == "model.layers.1.self_attn.o_proj"
+
+
 def test_halt_runs_again_the_micro_batch_that_went_non_finite():
     """The NaN sits in an embedding row that only the second micro-batch looks up: the halt names
     that micro-batch and the embedding, not a finite forward of the first."""

@@ -67,7 +67,7 @@ def block_masks(windows: set, batch: int, S: int, docs: torch.Tensor | None, dev
         if docs is None and key in _causal_masks:
             out[window] = _causal_masks[key]
             continue
-        span = torch.tensor(S + 1 if window is None else window, device=device)
+        span = torch.full((), S + 1 if window is None else window, device=device)  # a fill: no host copy, so capturable
         doc = docs if docs is not None else torch.zeros(batch, S, dtype=torch.long, device=device)
 
         def allowed(b, h, qi, ki, span=span, doc=doc):

@@ -132,8 +132,9 @@ def first_nonfinite_module(model: torch.nn.Module, forward) -> str | None:
         return check
 
     handles = [m.register_forward_hook(hook(n or "model")) for n, m in model.named_modules()]
-    try:
-        forward()
+    try:  # eagerly: the hooks' test depends on the data, which a fullgraph-compiled region cannot trace
+        with torch.compiler.set_stance("force_eager"):
+            forward()
     finally:
         for h in handles:
             h.remove()
