@@ -267,3 +267,24 @@ def test_tokenizer_folder_must_hold_a_tokenizer_and_generation_config_comes_from
     info = hf.dcp_to_hf(str(tmp_path / "out"), str(tmp_path / "back"))
     assert sorted(info["tokenizer_files"]) == ["added_tokens.json", "chat_template.json", "generation_config.json",
                                                "tokenizer.json"]
+
+
+def test_a_resume_reads_the_checkpoint_for_its_checksums_once(tiny_corpus, tmp_path, monkeypatch):
+    """resume=auto checks the newest checkpoint's CRC-32s while finding it and not again to load it
+    (each check reads every byte: on a large model, minutes); a checkpoint named by path is checked once."""
+    from conftest import write_run
+    from pithtrain.config import load_config
+    from pithtrain.train.loop import train
+
+    toml = write_run(tmp_path, tiny_corpus)
+    train(load_config(toml, ["train.steps=2", "train.device=cpu"]))
+    saved = checkpoint.latest(str(tmp_path / "run" / "checkpoints"))
+    assert saved is not None and os.path.basename(saved) == "step-00000002", saved
+    read = []
+    crc32s = checkpoint._checksums
+    monkeypatch.setattr(checkpoint, "_checksums", lambda folder, names: read.append(folder) or crc32s(folder, names))
+    for resume in ("auto", saved):
+        read.clear()
+        train(load_config(toml, ["train.steps=3", "train.device=cpu", f"checkpoint.resume={resume}",
+                                 "checkpoint.save_final=false"]))
+        assert read.count(saved) == 1, (resume, read)

@@ -467,9 +467,11 @@ def run_id(path: str) -> str | None:
         return None
 
 
-def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
-    """Load model (and optimizer) state from checkpoint `path`; return its trainer state."""
-    verify_everywhere(path)
+def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, verified: bool = False) -> dict:
+    """Load model (and optimizer) state from checkpoint `path`; return its trainer state. `verified`:
+    the caller has just verified it in full (`newest_valid`), so its bytes are not read twice."""
+    if not verified:
+        verify_everywhere(path)
     if optimizer is not None:
         require_optimizer_state(path)
     stored = {n: s for n, (s, _) in stored_tensors(path).items()}

@@ -391,7 +391,7 @@ def train(cfg: RunConfig) -> dict:
     if path is not None:
         checkpoint.require_optimizer_state(path)  # before the config comparison: the plainer reason
         check_same_model(path, cfg.model.hf)
-        state = checkpoint.load(path, model, optimizer)
+        state = checkpoint.load(path, model, optimizer, verified=resume == "auto")
         if not same_tokenizer(state.get("tokenizer", corpus_tokenizer), corpus_tokenizer, train_ds):
             raise ConfigError(f"checkpoint {path} was trained on a corpus with another tokenizer (fingerprint "
                               f"{state['tokenizer']}) than data.corpus = {d.corpus} ({corpus_tokenizer}); resume "
