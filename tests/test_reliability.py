@@ -109,6 +109,25 @@ def test_halt_runs_again_the_micro_batch_that_went_non_finite():
         train_step(model, opt, batches, 1.0, torch.device("cpu"), None, guard=StepGuard("halt", 3, 0.0, 20), step=1)
 
 
+def test_halt_is_reported_when_the_search_for_the_module_fails(monkeypatch):
+    """The search's eager forward can run out of memory (FlexAttention's scores materialise): the
+    run still halts with the step's reason, and says the search failed."""
+    import pithtrain.train.loop as loop
+
+    def no_memory(model, forward):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 32.00 GiB")
+
+    monkeypatch.setattr(loop, "first_nonfinite_module", no_memory)
+    model, batch = tiny()
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = float("nan")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    want = (r"step 1: non-finite loss on rank\(s\) \[0\]; the search for the first non-finite module in "
+            r"micro-batch 1 of 1 failed \(OutOfMemoryError: CUDA out of memory")
+    with pytest.raises(TrainingHalted, match=want):
+        train_step(model, opt, batch, 1.0, torch.device("cpu"), None, guard=StepGuard("halt", 3, 0.0, 20), step=1)
+
+
 def test_sigterm_during_a_step_stops_after_that_step():
     """The flag is read at the step's decision, not when the step starts."""
     from pithtrain.train.guard import Preemption

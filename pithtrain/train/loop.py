@@ -219,10 +219,16 @@ def train_step(model: CausalLM, optimizer, micro_batches: list, grad_clip: float
             with autocast(device, amp):
                 model(ids, labels=labels, position_ids=pos, doc_ids=docs)
 
-        where = first_nonfinite_module(model, forward)
         which = f"micro-batch {first_bad + 1} of {len(micro_batches)}"
-        found = (f"the first module whose output went non-finite in {which}: {where}" if where else
-                 f"the forward of {which} stays finite: the values went non-finite in the loss or the backward")
+        # a diagnosis whose forward runs eagerly (FlexAttention then materialises its scores): its failure
+        # must not hide the halt
+        try:
+            where = first_nonfinite_module(model, forward)
+            found = (f"the first module whose output went non-finite in {which}: {where}" if where else
+                     f"the forward of {which} stays finite: the values went non-finite in the loss or the backward")
+        except Exception as e:
+            found = (f"the search for the first non-finite module in {which} failed "
+                     f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})")
         raise TrainingHalted(f"step {step}: {reason}" + (f" on rank(s) {bad_ranks}" if bad_ranks else "") +
                              f"; {found}. Set train.nonfinite=skip to skip such steps, lower optim.lr, or resume "
                              "from an earlier checkpoint")
