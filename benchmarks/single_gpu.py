@@ -93,8 +93,8 @@ class Clocks:
     """What the GPU ran at while a protocol was timed (`--clocks`): `nvidia-smi` in its own process
     (no share of the host's launches or of the GIL) samples the SM clock, the power draw and the
     clock-event reasons (why the clock is below its maximum: a power cap, a thermal limit) every
-    50 ms; `summary()` gives their medians and each reason's share of the samples (the protocol's
-    warm-up steps included). The matmul ceiling and both sides move with this clock from one
+    50 ms; `summary()` gives their medians and each reason's share of the samples (the timed steps
+    only: `measure` runs the warm-up before sampling starts). The matmul ceiling and both sides move with this clock from one
     machine to the next, so a figure of one run is read beside it. If `nvidia-smi` is missing or
     refuses the query, the summary says so and the timing goes on."""
 
@@ -192,8 +192,11 @@ def measure(step, args, tokens: int, fpt: float, ceiling: float) -> dict:
     torch.cuda.reset_peak_memory_stats()
     times, clocks = {}, {}
     for protocol, warmup in (("step", args.warmup), ("trainer", 1), ("pipelined", 1)):
+        for _ in range(warmup):  # outside the clock sampling: the first ones compile, capture and tune
+            step()
+        torch.cuda.synchronize()
         with Clocks() if args.clocks else nullcontext() as c:
-            times[protocol] = time_steps(step, warmup, args.steps, protocol)
+            times[protocol] = time_steps(step, 0, args.steps, protocol)
         if c is not None:
             clocks[protocol] = c.summary()
     t, t_trainer, t_pipelined = times["step"], times["trainer"], times["pipelined"]
