@@ -94,9 +94,9 @@ class Clocks:
     (no share of the host's launches or of the GIL) samples the SM clock, the power draw and the
     clock-event reasons (why the clock is below its maximum: a power cap, a thermal limit) every
     50 ms; `summary()` gives their medians and each reason's share of the samples (the timed steps
-    only: `measure` runs the warm-up before sampling starts). The matmul ceiling and both sides move with this clock from one
-    machine to the next, so a figure of one run is read beside it. If `nvidia-smi` is missing or
-    refuses the query, the summary says so and the timing goes on."""
+    only: `measure` runs the warm-up before sampling starts). The matmul ceiling and both sides move
+    with this clock from one machine to the next, so a figure of one run is read beside it. If
+    `nvidia-smi` is missing or refuses the query, the summary says so and the timing goes on."""
 
     QUERY = "clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
 

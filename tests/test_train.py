@@ -138,7 +138,7 @@ def test_the_captured_body_is_the_eager_step_on_cpu():
             del os.environ["PITHTRAIN_FAULT"]
         body = StepGraphs(graphed, Recorder(graphed), 0.5, torch.device("cpu"), None)
         inv = (torch.ones(()) / sum(counts)).item()
-        body._load(micro, body.scalar_values(counts, inv, factor))
+        body._load(micro, body.scalar_values([c / sum(counts) for c in counts], inv, factor))
         body._forward_backward()
         stats = [b.end_step() for b in graphed.moe_blocks()]  # eager's: read by train_step into `out`
         assert torch.equal(out["loss"] * sum(counts), body.loss_sum) and torch.equal(out["grad_norm"], body.norm)

@@ -39,6 +39,10 @@ from pithtrain.train.optim import clip_grad_norm
 WARMUP = 2  # eager steps before capture: the first compiles, the second runs as every later step
 
 
+def _layout(micro_batches: list[tuple]) -> list[list]:
+    return [[None if t is None else (t.shape, t.dtype) for t in mb] for mb in micro_batches]
+
+
 class StepGraphs:
     """`loop.train_step`'s forward/backward/norm (`forward_backward`) and AdamW (`update`) as graphs."""
 
@@ -57,11 +61,11 @@ class StepGraphs:
             return False
         return True
 
-    def forward_backward(self, micro_batches: list, counts: list[int], inv_tokens: float, loss_factor: float):
+    def forward_backward(self, micro_batches: list, shares: list[float], inv_tokens: float, loss_factor: float):
         """Replay A on this step's data (capturing it first); -> (loss sum, list of each micro-batch's
         loss, gradient norm), copies that outlive the next replay. `inv_tokens`: 1 / the step's
-        targets, `counts`: each micro-batch's targets."""
-        self._load(micro_batches, self.scalar_values(counts, inv_tokens, loss_factor))
+        targets, `shares`: each micro-batch's share of the balancing losses (`train_step`'s)."""
+        self._load(micro_batches, self.scalar_values(shares, inv_tokens, loss_factor))
         if self.graph_a is None:
             self._capture()
         self.graph_a.replay()
@@ -70,14 +74,13 @@ class StepGraphs:
     def update(self) -> None:
         self.graph_b.replay()
 
-    def scalar_values(self, counts: list[int], inv_tokens: float, loss_factor: float) -> torch.Tensor:
-        """`self.scalars` of a step, on the host: each micro-batch's share is as eager computes it."""
+    def scalar_values(self, shares: list[float], inv_tokens: float, loss_factor: float) -> torch.Tensor:
+        """`self.scalars` of a step, on the host."""
         lr = {g["lr"] for g in self.optimizer.param_groups}
         if len(lr) != 1:
             raise ValueError(f"train.cuda_graphs: the optimizer's groups step at {sorted(lr)}; the graph "
                              "reads one learning rate")
-        n_tokens = sum(counts)
-        return torch.tensor([inv_tokens, loss_factor, lr.pop()] + [c / n_tokens for c in counts], dtype=torch.float32)
+        return torch.tensor([inv_tokens, loss_factor, lr.pop(), *shares], dtype=torch.float32)
 
     def _load(self, micro_batches: list, scalars: torch.Tensor) -> None:
         batches = [micro_batch_fields(mb) for mb in micro_batches]
@@ -85,10 +88,7 @@ class StepGraphs:
             self.inputs = [tuple(None if t is None else torch.empty(t.shape, dtype=t.dtype, device=self.device)
                                  for t in mb) for mb in batches]
             self.scalars = torch.empty(len(scalars), dtype=torch.float32, device=self.device)
-        def layout(mbs):
-            return [[None if t is None else (t.shape, t.dtype) for t in mb] for mb in mbs]
-
-        if len(scalars) != len(self.scalars) or layout(batches) != layout(self.inputs):
+        if len(scalars) != len(self.scalars) or _layout(batches) != _layout(self.inputs):
             raise ValueError("train.cuda_graphs: this step's micro-batches differ in number, shape or dtype from "
                              "the captured ones; every step of a run must have the same; set train.cuda_graphs=off")
         for static, mb in zip(self.inputs, batches):

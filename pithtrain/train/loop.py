@@ -183,17 +183,17 @@ def train_step(model: CausalLM, optimizer, micro_batches: list, grad_clip: float
     inject_failure(step)
     factor = float("nan") if injected("nan-loss", step) else 100.0 if injected("spike-loss", step) else None
     inv_tokens = (torch.ones((), dtype=torch.float32) / n_tokens).item()  # fp32's 1/n, the graphed step's too
+    # Balancing losses: the single-process value weights micro-batch i by its share of the step's
+    # targets, and its P by all its tokens; every rank holds as many of those, so 1/ranks of the share.
+    shares = [count / n_tokens / ranks for count in counts]
     params = list(model.parameters())  # all: a rank without gradients still needs the device of its all-reduce
     if graphs is not None and graphs.ready():
-        loss_sum, losses, grad_norm = graphs.forward_backward(micro_batches, counts, inv_tokens, factor or 1.0)
+        loss_sum, losses, grad_norm = graphs.forward_backward(micro_batches, shares, inv_tokens, factor or 1.0)
     else:
         loss_sum = torch.zeros((), device=device)
         losses = []  # each micro-batch's loss (detached; looked at only if the step halts)
-        for mb, count in zip(micro_batches, counts):
+        for mb, share in zip(micro_batches, shares):
             ids, labels, pos, docs = _device_batch(mb, device)
-            # Balancing losses: the single-process value weights micro-batch i by its share of the step's
-            # targets, and its P by all its tokens; every rank holds as many of those, so 1/ranks of the share.
-            share = count / n_tokens / ranks
             with autocast(device, amp):
                 loss = model(ids, labels=labels, position_ids=pos, aux_weight=share, doc_ids=docs)
             if factor is not None:
