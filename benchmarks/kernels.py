@@ -139,6 +139,24 @@ def adamw_bench(dtype: torch.dtype, layers: int = 1) -> dict:
     return out
 
 
+def grad_norm_bench(layers: int = 4) -> dict:
+    """Clipping's sum of squares over the Qwen3 proxy's gradients (bf16; embedding, head, `layers`
+    layers of experts, attention projections, routers and norms: 3.1 B elements in 47 tensors): ours
+    (`ops/adamw.squares_sum`) and torch's `_foreach_norm` (its twin). Bytes: each gradient read once."""
+    from pithtrain.ops.adamw import squares_sum, squares_sum_reference
+
+    shapes = [(151936, 2048)] * 2 + [(2048,)] + [(128, 1536, 2048), (128, 2048, 768), (4096, 2048), (512, 2048),
+                                                 (512, 2048), (2048, 4096), (128, 2048), (2048,), (2048,), (128,),
+                                                 (128,)] * layers
+    gs = [torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in shapes]
+    nbytes = sum(g.nbytes for g in gs)
+    out = {}
+    for name, fn in [("ours", squares_sum), ("torch_foreach", squares_sum_reference)]:
+        t = timed(lambda: fn(gs))
+        out[name + "_ms"], out[name + "_GBps"] = t * 1e3, nbytes / t / 1e9
+    return out
+
+
 def embedding_bench(tokens: int, vocab: int, hidden: int) -> dict:
     """The embedding table's gradient (bf16, Qwen3's 151,936 x 2048) from `tokens` rows: ours
     (`ops/embedding.py`: sort, zero fill, one Triton kernel) and torch's dense backward, in ms and as
@@ -161,7 +179,7 @@ def embedding_bench(tokens: int, vocab: int, hidden: int) -> dict:
 
 def sweep() -> dict:
     """GB/s of each memory-bound kernel under several tiles (programs' rows x columns, warps), to
-    choose the defaults in ops/swiglu.py, ops/permute.py and ops/adamw.py for this GPU."""
+    choose the defaults in ops/swiglu.py, ops/permute.py and ops/adamw.py (AdamW, squares_sum) for this GPU."""
     from pithtrain.ops import adamw, permute, swiglu
 
     res = {}
@@ -183,6 +201,11 @@ def sweep() -> dict:
         adamw.BLOCK, adamw.WARPS = block, warps
         res[f"adamw b{block} w{warps}"] = {k: round(v) for k, v in adamw_bench(torch.bfloat16).items()}
     adamw.BLOCK, adamw.WARPS = base
+    base = adamw.SQ_BLOCK, adamw.SQ_WARPS
+    for block, warps in [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 8), (16384, 16)]:
+        adamw.SQ_BLOCK, adamw.SQ_WARPS = block, warps
+        res[f"squares b{block} w{warps}"] = {k: round(v, 2) for k, v in grad_norm_bench().items() if "ours" in k}
+    adamw.SQ_BLOCK, adamw.SQ_WARPS = base
     return res
 
 
@@ -214,7 +237,7 @@ def main() -> None:
     p.add_argument("--json", default="")
     p.add_argument("--sweep", action="store_true", help="only the tile sweep of the memory-bound kernels")
     p.add_argument("--only", nargs="*", default=[], help="run only these groups (swiglu permute adamw_bf16 "
-                   "adamw_fp32 grouped_mm attention_qwen3 embedding)")
+                   "adamw_fp32 grad_norm grouped_mm attention_qwen3 embedding)")
     args = p.parse_args()
     res = {"device": torch.cuda.get_device_name(), "ceilings": ceilings()}
     if args.sweep:
@@ -225,6 +248,7 @@ def main() -> None:
                "permute": lambda: permute_bench(args.tokens, 2048, 128, 8),
                "adamw_bf16": lambda: adamw_bench(torch.bfloat16),
                "adamw_fp32": lambda: adamw_bench(torch.float32),
+               "grad_norm": grad_norm_bench,
                "grouped_mm": lambda: grouped_mm_bench(args.tokens, 2048, 128, 8, 768),
                "attention_qwen3": lambda: attention_bench(2, 4096, 32, 4, 128),
                "embedding": lambda: embedding_bench(args.tokens, 151936, 2048)}
@@ -232,7 +256,7 @@ def main() -> None:
         if not args.only or name in args.only:
             res[name] = bench()
     c = res["ceilings"]
-    for group in ("swiglu", "permute", "adamw_bf16", "adamw_fp32", "embedding"):
+    for group in ("swiglu", "permute", "adamw_bf16", "adamw_fp32", "grad_norm", "embedding"):
         for key, val in list(res.get(group, {}).items()):
             if key.endswith("GBps"):
                 res[group][key.replace("GBps", "of_copy")] = val / c["copy_GBps"]

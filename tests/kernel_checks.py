@@ -290,6 +290,22 @@ def check_adamw(device: str) -> None:
         AdamW(params(), lr=1e-3, amsgrad=True).step(lr=torch.tensor(1e-3, device=device))
 
 
+def check_squares_sum(device: str) -> None:
+    """The kernel's sum of squares against a float64 sum (ragged sizes around the tile, one empty
+    tensor, one non-contiguous one taken by the twin, bf16 and fp32), and the same bits every run."""
+    gen = torch.Generator(device).manual_seed(6)
+    sizes = [1, aw.SQ_BLOCK - 1, 0, 3 * aw.SQ_BLOCK + 5, 777]
+    for dtype in [torch.float32, torch.bfloat16]:
+        ts = [(torch.randn(n, device=device, generator=gen) * (i + 1)).to(dtype) for i, n in enumerate(sizes)]
+        ts.append(torch.randn(64, 48, device=device, generator=gen).to(dtype).T)  # non-contiguous
+        want = sum(t.double().square().sum() for t in ts)
+        got = aw.squares_sum(ts)
+        assert got.dtype == torch.float32 and got.shape == ()
+        assert abs(got.double() - want) <= 1e-5 * want, (dtype, got.item(), want.item())
+        assert torch.equal(aw.squares_sum(ts), got)
+    assert aw.squares_sum([torch.empty(0, device=device)]).item() == 0.0
+
+
 def check_adamw_on_dtensors() -> None:
     """FSDP's parameters are DTensors: the kernel runs on their local shards and matches
     torch.optim.AdamW stepping the same DTensors (one gloo process, a 1-rank mesh)."""
@@ -334,6 +350,8 @@ def run_all(device: str) -> None:
             check_adamw(device)
             if device == "cpu":
                 check_adamw_on_dtensors()
+        with kernels_run("_squares"):
+            check_squares_sum(device)
         with kernels_run("_add_bias_kernel", "_segment_sum_kernel"):
             check_expert_bias(device)
         with kernels_run("_gated_forward", "_gated_backward"):

@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor
 
 from pithtrain.config import OptimConfig
 from pithtrain.ops import use_triton
-from pithtrain.ops.adamw import adamw_update
+from pithtrain.ops.adamw import adamw_update, squares_sum
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -119,15 +119,15 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, group=None,
     `max_norm` (None for max_norm 0: no clipping), for `AdamW.step(grad_scale=)` to apply as it
     reads them: the gradients are left as they are, and clipping makes no pass over them of its own.
 
-    Each gradient's norm is one fp32 reduction over its stored values (no fp32 copy of them: the
-    estimate of tools/memory.py counts none). Sharded gradients (DTensors of FSDP, on any mesh:
+    The squares are summed in fp32 over the stored values in one read (`ops/adamw.squares_sum`; no
+    fp32 copy of them: the estimate of tools/memory.py counts none). Sharded gradients (DTensors of FSDP, on any mesh:
     dense parameters and experts alike) add their local shards' squares; the sum over `group`
     (every rank of the stage) counts each element once, `replicas` times under HSDP, which is
     divided out. One process: `group` None.
     """
     grads = [_local(p.grad) for p in params if p.grad is not None]
     if grads:
-        total = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
+        total = squares_sum(grads)
     else:  # nothing here, but the all-reduce below is joined all the same: the other ranks wait on it
         total = torch.zeros((), device=params[0].device if params else "cpu")
     if group is not None:
