@@ -220,7 +220,7 @@ def test_sigterm_saves_and_exits_cleanly_then_resumes(tiny_corpus, tmp_path, ran
     assert proc.returncode == 0, err  # every rank exited 0 (and so did torchrun)
     assert took < 60
     resumed = run_cli("train", toml, f"train.steps={step + 2}", "checkpoint.resume=auto")
-    assert f"resumed from" in resumed.stdout and step + 2 in losses(str(run_dir))
+    assert "resumed from" in resumed.stdout and step + 2 in losses(str(run_dir))
 
 
 def _group_alive(pgid: int) -> bool:
