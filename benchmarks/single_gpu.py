@@ -204,7 +204,8 @@ def measure(step, args, tokens: int, fpt: float, ceiling: float) -> dict:
     return dict(step_s=t, tokens_per_s=tokens / t, tflops=tflops, mfu_989=tflops / 989, mfu_ceiling=tflops / ceiling,
                 trainer_step_s=t_trainer, trainer_tokens_per_s=tokens / t_trainer,
                 pipelined_tokens_per_s=tokens / t_pipelined,
-                peak_gb=torch.cuda.max_memory_allocated() / 2**30, **({"clocks": clocks} if clocks else {}))
+                peak_gb=torch.cuda.max_memory_allocated() / 2**30,
+                peak_reserved_gb=torch.cuda.max_memory_reserved() / 2**30, **({"clocks": clocks} if clocks else {}))
 
 
 def profile(step, out_dir: str) -> None:

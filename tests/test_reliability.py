@@ -359,6 +359,11 @@ def test_out_of_memory_is_reported_with_a_breakdown(tiny_corpus, tmp_path, monke
     assert "out of memory on cpu: CUDA out of memory. Tried to allocate 20.00 GiB" in text
     assert "parameters 0.00 GB, gradients" in text and "AdamW states" in text and "train.recompute=both" in text
     assert "estimated peak" in text and "activations" in text  # the estimator's breakdown
+    assert "cuda_graphs" not in text  # off in this run
+    from pithtrain.train.guard import out_of_memory_report
+    model, error = torch.nn.Linear(2, 2), torch.OutOfMemoryError("CUDA out of memory")
+    text = out_of_memory_report(model, torch.optim.AdamW(model.parameters()), torch.device("cpu"), error, graphs=True)
+    assert "to fit: train.cuda_graphs=off (the graphs hold their own memory pool" in text
 
 
 def test_a_corpus_from_another_tokenizer_is_refused(tiny_corpus, tmp_path):

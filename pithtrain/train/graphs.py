@@ -3,8 +3,9 @@
 Eager, the host launches the step's kernels one by one, and after the guard's synchronisation
 each step starts with a host that must launch the forward's first small kernels (embedding,
 norms, RoPE, routing) faster than the GPU runs them, which it cannot. A graph launches the whole
-captured sequence at once. Measured on an H100: +0.5-1.1% tokens/s on the three proxies, peak
-+0.06 GB (docs/performance.md), hence off by default.
+captured sequence at once. Measured on an H100: +0.3-1.8% tokens/s on the three proxies, hence off
+by default; and the device memory held (reserved) grows by 4-7 GB on the Qwen3 proxy, where the
+allocated peak grows by 0.06 GB (below; docs/performance.md).
 
 - Graph A: every micro-batch's forward and backward from static input buffers, then the
   gradients' norm and clipping's factor.
@@ -22,8 +23,12 @@ made) and one forward and backward on the capture stream that changes nothing it
 per-stream state, such as cuBLAS's workspace, is made outside the graph). Gradients are None at
 capture, so each replay writes them afresh as an eager step after `zero_grad` does; they live in
 the graphs' memory pool, where the next replay's forward reuses their memory as eager frees them,
-so the peak stays near the eager one (+0.06 GB measured). The gradients read between replays are
-this step's.
+so the allocated peak stays near the eager one (+0.06 GB measured). The pool is the graphs' own:
+the caching allocator holds it beside the blocks that eager code (the eager steps before
+capture, validation's forward, checkpoints) allocates and frees, so the device memory held is
+larger: Qwen3 proxy, 30.8 GB reserved vs 26.3 eagerly, 33.1 once validation has run (its
+forward allocates outside the pool). The memory estimate does not count this; an out-of-memory
+report names train.cuda_graphs=off first. The gradients read between replays are this step's.
 One process only (`train` refuses the others): FSDP, expert and context parallelism run
 collectives and host-side split sizes that a graph cannot hold.
 """
@@ -113,6 +118,10 @@ class StepGraphs:
         self.norm, self.scale = clip_grad_norm(self.params, self.grad_clip)
 
     def _capture(self) -> None:
+        # The eager steps' cached blocks belong to the default stream; the pass below allocates on its
+        # own stream, which cannot reuse them: give them back first, or both sets are held at once.
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # one pass whose effects are undone: gradients, MoE statistics
