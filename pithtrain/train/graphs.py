@@ -22,13 +22,14 @@ Capture comes after `WARMUP` eager steps (regions compiled, kernels tuned, the o
 made) and one forward and backward on the capture stream that changes nothing it keeps (lazy
 per-stream state, such as cuBLAS's workspace, is made outside the graph). Gradients are None at
 capture, so each replay writes them afresh as an eager step after `zero_grad` does; they live in
-the graphs' memory pool, where the next replay's forward reuses their memory as eager frees them,
-so the allocated peak stays near the eager one (+0.06 GB measured). The pool is the graphs' own:
-the caching allocator holds it beside the blocks that eager code (the eager steps before
-capture, validation's forward, checkpoints) allocates and frees, so the device memory held is
-larger: Qwen3 proxy, 30.8 GB reserved vs 26.3 eagerly, 33.1 once validation has run (its
-forward allocates outside the pool). The memory estimate does not count this; an out-of-memory
-report names train.cuda_graphs=off first. The gradients read between replays are this step's.
+the graphs' memory pool, and the allocated peak stays near the eager one (+0.06 GB measured).
+The device memory held is larger: the pool is the graphs' own, held beside the blocks that eager
+code (the eager steps before capture, validation's forward, checkpoints) allocates and frees,
+and in it the gradients sit beside the step's free transient where eagerly they take the memory
+of the activations that the backward frees. Qwen3 proxy: 30.8 GB reserved vs 26.3 eagerly, 33.1
+once validation has run (its forward allocates outside the pool). The memory estimate does not
+count this; an out-of-memory report names train.cuda_graphs=off first. The gradients read
+between replays are this step's.
 One process only (`train` refuses the others): FSDP, expert and context parallelism run
 collectives and host-side split sizes that a graph cannot hold.
 """

@@ -119,9 +119,9 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, group=None,
     `max_norm` (None for max_norm 0: no clipping), for `AdamW.step(grad_scale=)` to apply as it
     reads them: the gradients are left as they are, and clipping makes no pass over them of its own.
 
-    The squares are summed in fp32 over the stored values in one read (`ops/adamw.squares_sum`; no
-    fp32 copy of them: the estimate of tools/memory.py counts none). Sharded gradients (DTensors of FSDP, on any mesh:
-    dense parameters and experts alike) add their local shards' squares; the sum over `group`
+    The squares are summed in fp32 over the stored values in one read (`ops/adamw.squares_sum`;
+    no fp32 copy of them: the estimate of tools/memory.py counts none). Sharded gradients (DTensors
+    of FSDP, on any mesh: dense parameters and experts alike) add their local shards' squares; the sum over `group`
     (every rank of the stage) counts each element once, `replicas` times under HSDP, which is
     divided out. One process: `group` None.
     """
