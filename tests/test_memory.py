@@ -86,6 +86,9 @@ def test_the_run_config_says_whether_a_step_accumulates():
 
     assert run(4).backward_peak is not None and run(8).backward_peak is None
     assert run(8, world=2, data_ranks=2).backward_peak is not None  # each rank runs one micro-batch
+    graphs = estimate_for_run(load_config(toml, ["data.micro_batch_size=4", "data.global_batch_size=4",
+                                                 "train.cuda_graphs=on"]))
+    assert graphs.backward_peak is None and graphs.total == run(8).total > run(4).total  # the pool holds both
 
 
 def test_hsdp_replicas_hold_whole_states():

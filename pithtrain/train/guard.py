@@ -149,8 +149,8 @@ def _local_bytes(t: torch.Tensor) -> int:
 def out_of_memory_report(model: torch.nn.Module, optimizer, device: torch.device, error: Exception,
                          estimate=None, graphs: bool = False) -> str:
     """What holds this rank's memory when an allocation failed, the estimator's breakdown
-    (`tools/memory.py`, which does not count the memory pool of train.cuda_graphs: `graphs`), and
-    what to change."""
+    (`tools/memory.py`), and what to change (`graphs`: train.cuda_graphs is on, whose memory pool
+    the estimate counts only roughly: docs/performance.md)."""
     gb = 2**30
     params = sum(_local_bytes(p) for p in model.parameters())
     grads = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
@@ -166,7 +166,7 @@ def out_of_memory_report(model: torch.nn.Module, optimizer, device: torch.device
     if estimate is not None:
         lines += ["  " + line for line in estimate.lines()]
     lines.append("  to fit: " + ("train.cuda_graphs=off (the graphs hold their own memory pool beside the eager "
-                                 "cache, which the estimate does not count), " if graphs else "") +
+                                 "cache), " if graphs else "") +
                  "train.recompute=both (activations), train.param_dtype=bf16 (halves weights, gradients "
                  "and states), a smaller data.micro_batch_size (the global batch stays, by accumulation), or more "
                  "ranks (FSDP shards weights, gradients and states)")
