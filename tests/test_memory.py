@@ -88,7 +88,11 @@ def test_the_run_config_says_whether_a_step_accumulates():
     assert run(8, world=2, data_ranks=2).backward_peak is not None  # each rank runs one micro-batch
     graphs = estimate_for_run(load_config(toml, ["data.micro_batch_size=4", "data.global_batch_size=4",
                                                  "train.cuda_graphs=on"]))
-    assert graphs.backward_peak is None and graphs.total == run(8).total > run(4).total  # the pool holds both
+    cfg = load_config(toml, [])
+    logits = 4 * cfg.data.seq_len * cfg.model.hf["vocab_size"] * 2  # validation's bf16 logits, one chunk
+    assert graphs.backward_peak is None and graphs.outside_graphs == logits
+    assert graphs.total == run(8).total + logits > run(4).total + logits  # the pool holds gradients and activations
+    assert "outside graphs" in graphs.lines()[0] and "outside graphs" not in run(4).lines()[0]
 
 
 def test_hsdp_replicas_hold_whole_states():

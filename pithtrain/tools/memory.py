@@ -34,10 +34,11 @@ Gradients and activations are held together differently in the two kinds of step
   is the largest of the walk's stages: the start of backward (all activations, the head's
   working set), each layer's backward (the gradients made so far, the activations of the layers
   not yet done) and the end (all gradients, no activations);
-- a step replayed as CUDA graphs (`train.cuda_graphs`) is counted as one that accumulates: in the
-  graphs' memory pool the gradients do not take the freed activations' memory (Qwen3 proxy: 30.81
-  GB held by the device against 30.7 estimated so, 24.9 for the walk; 33.13 once validation's
-  forward has run outside the pool: docs/performance.md).
+- a step replayed as CUDA graphs (`train.cuda_graphs`, `graphs`) is counted as one that
+  accumulates: in the graphs' memory pool the gradients do not take the freed activations'
+  memory; and validation's forward, eager, allocates its logits (one chunk) outside the pool
+  (`outside_graphs`). Qwen3 proxy: 30.81 GB held by the device in training and 33.13 after
+  validation, against 30.7 and 33.0 estimated so (24.9 for the eager walk; docs/performance.md).
 Measured against the H200's peak (`tests/test_gpu.py`, and the 4-layer proxies of
 docs/performance.md): see the figures there. `check_fits` refuses a run whose estimate exceeds
 the device.
@@ -65,16 +66,17 @@ class MemoryEstimate:
     backward_peak: float | None = None  # one micro-batch a step: the most gradients + activations + head
     #                                     held at once in the backward walk; None: all three at once
     reduce_buffers: float = 0.0  # FSDP: one unit's unsharded gradient and reduce-scatter input (+ HSDP's)
+    outside_graphs: float = 0.0  # CUDA graphs: validation's logits, allocated outside the graphs' pool
 
     @property
     def total(self) -> float:
         held = self.gradients + self.activations + self.head if self.backward_peak is None else self.backward_peak
-        return self.weights + self.optimizer + self.compute_copies + self.reduce_buffers + held
+        return self.weights + self.optimizer + self.compute_copies + self.reduce_buffers + held + self.outside_graphs
 
     def lines(self) -> list[str]:
         parts = ", ".join(f"{name.replace('_', ' ')} {getattr(self, name) / GB:.2f} GB" for name in
                           ("weights", "gradients", "optimizer", "compute_copies", "reduce_buffers", "activations",
-                           "head"))
+                           "head") + (("outside_graphs",) if self.outside_graphs else ()))
         walk = ("" if self.backward_peak is None else f"; one micro-batch a step, so gradients, activations and "
                 f"head are {self.backward_peak / GB:.2f} GB at most at once, in backward")
         return [f"estimated peak {self.total / GB:.2f} GB per rank: {parts}{walk}"]
@@ -117,15 +119,17 @@ def layer_activation_bytes(layer: nn.Module, a: int, recompute_attention: bool, 
 def estimate(model: nn.Module, *, tokens: int, param_dtype: str = "fp32", autocast: bool = True,
              world: int = 1, recompute: str = "none", ce_chunk: int = CHUNK,
              accumulate: bool = True, ep: int = 1, sharded: bool | None = None,
-             replicated: bool = False) -> MemoryEstimate:
+             replicated: bool = False, graphs: bool = False) -> MemoryEstimate:
     """Per-rank estimate for `model` (meta device is enough; all experts, as one process builds it)
     with `tokens` per micro-batch on this rank (micro_batch_size * seq_len / cp), parameters sharded
     over `world` ranks, experts split over `ep` of them; `accumulate`: the step runs two or more
     micro-batches on this rank (else the backward walk of one); `sharded`: FSDP wraps the model
     (default: `world` > 1; also so under HSDP with one rank per replica, or torchrun with one rank);
-    `replicated`: HSDP, whose all-reduce keeps every unit's reduced gradient until backward ends."""
+    `replicated`: HSDP, whose all-reduce keeps every unit's reduced gradient until backward ends;
+    `graphs`: the step is replayed as CUDA graphs (counted as accumulating, plus validation's logits)."""
     state = 4 if param_dtype == "fp32" else 2
     a = 2 if (autocast or param_dtype == "bf16") else 4
+    accumulate = accumulate or graphs
     n = sum(p.numel() for p in model.parameters())
     layers = list(model.model.layers.values())
     head = model.lm_head.weight
@@ -160,7 +164,8 @@ def estimate(model: nn.Module, *, tokens: int, param_dtype: str = "fp32", autoca
     head_bytes = dw * head.numel() + tokens * hidden * 3 * a + min(ce_chunk, tokens) * head.shape[0] * a
     est = MemoryEstimate(weights=n * state / world, gradients=n * state / world, optimizer=2 * n * state / world,
                          compute_copies=copies, activations=acts, head=head_bytes,
-                         reduce_buffers=reduce_buffers + (hsdp_kept * n if accumulate else 0.0))
+                         reduce_buffers=reduce_buffers + (hsdp_kept * n if accumulate else 0.0),
+                         outside_graphs=min(ce_chunk, tokens) * head.shape[0] * a if graphs else 0.0)
     if not accumulate:
         per = state / world + hsdp_kept  # a reduced parameter's gradient, and what HSDP keeps of it
         grads = [sum(p.numel() for p in layer.parameters()) * per for layer in layers]
@@ -179,8 +184,7 @@ def estimate_for_run(cfg, world: int = 1, cp: int = 1, autocast: bool = True, da
     ranks that split the global batch: the model built on the meta device (nothing allocated),
     this rank's share of a micro-batch. Under HSDP (`parallel.dp_replicate` > 1) each replica
     holds whole states, so they are sharded over world / dp_replicate ranks; FSDP wraps the model
-    whenever `world` > 1 (or `sharded`: one process under torchrun). CUDA graphs count as
-    accumulation (the module's docstring says why)."""
+    whenever `world` > 1 (or `sharded`: one process under torchrun)."""
     from pithtrain.models import build_model
 
     with torch.device("meta"):
@@ -188,9 +192,9 @@ def estimate_for_run(cfg, world: int = 1, cp: int = 1, autocast: bool = True, da
     t, d = cfg.train, cfg.data
     return estimate(model, tokens=d.micro_batch_size * d.seq_len // cp, param_dtype=t.param_dtype,
                     autocast=autocast, world=world // cfg.parallel.dp_replicate, recompute=t.recompute,
-                    accumulate=d.global_batch_size > d.micro_batch_size * data_ranks or t.cuda_graphs == "on",
-                    ep=cfg.parallel.ep,
-                    sharded=world > 1 if sharded is None else sharded, replicated=cfg.parallel.dp_replicate > 1)
+                    accumulate=d.global_batch_size > d.micro_batch_size * data_ranks, ep=cfg.parallel.ep,
+                    sharded=world > 1 if sharded is None else sharded, replicated=cfg.parallel.dp_replicate > 1,
+                    graphs=t.cuda_graphs == "on")
 
 
 def check_fits(est: MemoryEstimate, device_bytes: int | None, world: int = 1) -> None:

@@ -28,9 +28,8 @@ code (the eager steps before capture, validation's forward, checkpoints) allocat
 and in it the gradients sit beside the step's free transient where eagerly they take the memory
 of the activations that the backward frees. Qwen3 proxy: 30.8 GB reserved vs 26.3 eagerly, 33.1
 once validation has run (its forward allocates outside the pool). The memory estimate counts
-the step as one that accumulates (30.7 GB here); an out-of-memory report names
-train.cuda_graphs=off first. The gradients read
-between replays are this step's.
+the step as one that accumulates, plus validation's logits (33.0 GB here); an out-of-memory
+report names train.cuda_graphs=off first. The gradients read between replays are this step's.
 One process only (`train` refuses the others): FSDP, expert and context parallelism run
 collectives and host-side split sizes that a graph cannot hold.
 """
