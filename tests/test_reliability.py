@@ -481,7 +481,9 @@ def test_a_run_that_cannot_fit_is_refused_before_allocation():
     """The memory estimate (tools/memory.py) against a 139 GB device: Qwen3-30B-A3B (30.5 B
     parameters, built on the meta device) cannot train on one GPU (the states alone: more ranks or
     bf16), fits on 8 ranks at micro-batch 1 x 4096, and at micro-batch 8 its activations do not
-    (recompute or a smaller micro-batch); each message gives the numbers and what to change."""
+    (recompute or a smaller micro-batch); a device that holds the eager step of one micro-batch does
+    not hold it under train.cuda_graphs, and the message names turning them off first; each
+    message gives the numbers and what to change."""
     from pithtrain.config import load_config
     from pithtrain.tools.memory import GB, check_fits, estimate_for_run
 
@@ -501,6 +503,12 @@ def test_a_run_that_cannot_fit_is_refused_before_allocation():
     with pytest.raises(ConfigError, match=r"on 8 rank.*To fit: train.recompute=both"):
         check_fits(big, h200, 8)
     check_fits(one, None)  # no device to compare with (CPU): nothing to say
+    one_mb = ["train.param_dtype=bf16", "data.global_batch_size=1"]  # graphs: one process, one micro-batch a step
+    eager = estimate_for_run(load_config(toml, one_mb))
+    graphs = estimate_for_run(load_config(toml, one_mb + ["train.cuda_graphs=on"]))
+    check_fits(eager, int(eager.total) + 1)
+    with pytest.raises(ConfigError, match=r"To fit: train.cuda_graphs=off \(their pool"):
+        check_fits(graphs, int(eager.total) + 1)
 
 
 def test_collective_failures_are_told_from_other_errors():

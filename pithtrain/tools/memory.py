@@ -208,5 +208,7 @@ def check_fits(est: MemoryEstimate, device_bytes: int | None, world: int = 1) ->
     else:
         change = ("train.recompute=both (activations), a smaller data.micro_batch_size (the global batch stays, "
                   "by accumulation), or more ranks")
+    if est.outside_graphs:
+        change = "train.cuda_graphs=off (their pool holds the gradients beside the activations), " + change
     raise ConfigError(f"this run does not fit on {world} rank(s): {est.lines()[0]}; the device has "
                       f"{device_bytes / GB:.1f} GB. To fit: {change}")
