@@ -348,6 +348,9 @@ def main() -> None:
             results[f"ratio_{protocol}_tokens_per_s"] = (results["ours"][f"{protocol}_tokens_per_s"]
                                                          / results["hf"][f"{protocol}_tokens_per_s"])
         results["ratio_peak_mem"] = results["ours"]["peak_gb"] / results["hf"]["peak_gb"]
+        # what each process held from the device (allocated + the caching allocator's free blocks;
+        # under --step graphs also the graphs' pool, docs/performance.md)
+        results["ratio_peak_reserved"] = results["ours"]["peak_reserved_gb"] / results["hf"]["peak_reserved_gb"]
     results["config"] = dict(model=args.model, layers=args.layers, seq=args.seq, mbs=args.mbs, steps=args.steps,
                              weights=args.weights, compile=args.compile, recompute=args.recompute, ce_chunk=args.ce_chunk,
                              clip=args.clip, step=args.step, clocks=args.clocks,
