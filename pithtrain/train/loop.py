@@ -306,15 +306,22 @@ def of_this_run(path: str, ckpt_dir: str) -> bool:
     return ours is not None and ours == checkpoint.run_id(path)
 
 
+# config.json fields that describe the file, not the model's maths (a re-downloaded or re-saved config
+# changes them): a resume does not compare them
+CONFIG_METADATA = {"transformers_version", "_name_or_path", "architectures", "torch_dtype", "dtype", "use_cache"}
+
+
 def check_same_model(path: str, hf: dict) -> None:
     """A resume continues the model it was saved with: any field of the stored config.json that
-    differs (top-k, rope_theta, eps, ... change the maths without changing a tensor shape) is an error."""
+    differs (top-k, rope_theta, eps, ... change the maths without changing a tensor shape) is an
+    error, except the file's metadata (`CONFIG_METADATA`)."""
     if not os.path.isfile(os.path.join(path, "config.json")):  # checkpoints of earlier versions
         return
     saved, now = read_hf_config(path), json.loads(json.dumps(hf))
     missing = object()
+    keys = sorted((saved.keys() | now.keys()) - CONFIG_METADATA)
     diff = [f"{k}: {saved.get(k, '(unset)')!r} there, {now.get(k, '(unset)')!r} now"
-            for k in sorted(saved.keys() | now.keys()) if saved.get(k, missing) != now.get(k, missing)]
+            for k in keys if saved.get(k, missing) != now.get(k, missing)]
     if diff:
         raise ConfigError(f"checkpoint {path} was saved with another model config ({'; '.join(diff[:8])}"
                           f"{'; ...' if len(diff) > 8 else ''}): resume with the model settings it was saved with "
