@@ -453,25 +453,15 @@ def test_deterministic_mode_repeats_bitwise(tiny_corpus, tmp_path):
     assert sorted(a) == list(range(1, 21)) and a == b
 
 
-@pytest.mark.parametrize("model", ["qwen3_30b_a3b", "gpt_oss_20b"])
-def test_memory_estimate_is_close_to_the_measured_peak(model):
-    """2-layer cuts of the example models as they train on the GPU (bf16 parameters and AdamW
-    states, compile, kernels; micro-batches of 2 x 2048): the estimate of tools/memory.py for a
-    step of one micro-batch (its backward walk) and for a step of two accumulated micro-batches
-    (gradients next to all activations) are each within 10% of that step's measured peak, counted
-    from what the process held before the model was built (tensors that earlier tests left behind)."""
-    import gc
+def _bf16_cut(model: str):
+    """A 2-layer cut of an example model on the GPU as the memory tests train it: bf16 parameters
+    and AdamW states, compiled dense parts; -> (model, its config, optimizer)."""
     import json
     import os
 
-    from pithtrain.layers.transformer import cast_parameters, init_weights
-    from pithtrain.models import build_model
-    from pithtrain.tools.memory import estimate
+    from pithtrain.layers.transformer import cast_parameters
     from pithtrain.train.optim import AdamW
 
-    torch._dynamo.reset()
-    gc.collect()
-    base = torch.cuda.memory_allocated()
     with open(os.path.join(os.path.dirname(__file__), "..", "examples", model, "config.json")) as f:
         cfg = {**json.load(f), "num_hidden_layers": 2}
     cfg.pop("layer_types", None)
@@ -480,7 +470,24 @@ def test_memory_estimate_is_close_to_the_measured_peak(model):
     init_weights(m, 0)
     cast_parameters(m, torch.bfloat16)
     m.compile_dense()
-    opt = AdamW(m.parameters(), lr=1e-5)
+    return m, cfg, AdamW(m.parameters(), lr=1e-5)
+
+
+@pytest.mark.parametrize("model", ["qwen3_30b_a3b", "gpt_oss_20b"])
+def test_memory_estimate_is_close_to_the_measured_peak(model):
+    """2-layer cuts of the example models as they train on the GPU (bf16 parameters and AdamW
+    states, compile, kernels; micro-batches of 2 x 2048): the estimate of tools/memory.py for a
+    step of one micro-batch (its backward walk) and for a step of two accumulated micro-batches
+    (gradients next to all activations) are each within 10% of that step's measured peak, counted
+    from what the process held before the model was built (tensors that earlier tests left behind)."""
+    import gc
+
+    from pithtrain.tools.memory import estimate
+
+    torch._dynamo.reset()
+    gc.collect()
+    base = torch.cuda.memory_allocated()
+    m, cfg, opt = _bf16_cut(model)
     batches = [torch.randint(0, cfg["vocab_size"], (2, 2049), device="cuda") for _ in range(2)]
 
     def step(micro: int) -> int:
@@ -513,30 +520,18 @@ def test_memory_estimate_under_cuda_graphs_is_close_to_what_the_device_holds():
     outside the pool) is within 10% of the memory the process holds from the device (reserved;
     the allocated peak misses the pool's free blocks), counted from what it held before the model."""
     import gc
-    import json
-    import os
 
-    from pithtrain.layers.transformer import cast_parameters
     from pithtrain.tools.memory import estimate
     from pithtrain.train.graphs import StepGraphs
     from pithtrain.train.guard import StepGuard
     from pithtrain.train.loop import evaluate, train_step
-    from pithtrain.train.optim import AdamW
 
     torch._dynamo.reset()
     gc.collect()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_reserved()
     torch.cuda.reset_peak_memory_stats()
-    with open(os.path.join(os.path.dirname(__file__), "..", "examples", "qwen3_30b_a3b", "config.json")) as f:
-        cfg = {**json.load(f), "num_hidden_layers": 2}
-    cfg.pop("layer_types", None)
-    with torch.device("cuda"):
-        m = build_model(cfg)
-    init_weights(m, 0)
-    cast_parameters(m, torch.bfloat16)
-    m.compile_dense()
-    opt = AdamW(m.parameters(), lr=1e-5)
+    m, cfg, opt = _bf16_cut("qwen3_30b_a3b")
     ids = torch.randint(0, cfg["vocab_size"], (2, 2049))
     batch, dev = [(ids[:, :-1], ids[:, 1:])], torch.device("cuda")
     graphs, guard = StepGraphs(m, opt, 1.0, dev, None), StepGuard("halt", 0, 0.0, 1)

@@ -360,10 +360,12 @@ def test_out_of_memory_is_reported_with_a_breakdown(tiny_corpus, tmp_path, monke
     assert "parameters 0.00 GB, gradients" in text and "AdamW states" in text and "train.recompute=both" in text
     assert "estimated peak" in text and "activations" in text  # the estimator's breakdown
     assert "cuda_graphs" not in text  # off in this run
+    from pithtrain.tools.memory import MemoryEstimate
     from pithtrain.train.guard import out_of_memory_report
     model, error = torch.nn.Linear(2, 2), torch.OutOfMemoryError("CUDA out of memory")
-    text = out_of_memory_report(model, torch.optim.AdamW(model.parameters()), torch.device("cpu"), error, graphs=True)
-    assert "to fit: train.cuda_graphs=off (the graphs hold their own memory pool" in text
+    under_graphs = MemoryEstimate(*[0.0] * 6, outside_graphs=2.0 * 2**30)  # the estimate of a step under the graphs
+    text = out_of_memory_report(model, torch.optim.AdamW(model.parameters()), torch.device("cpu"), error, under_graphs)
+    assert "to fit: train.cuda_graphs=off (their memory pool holds the gradients" in text
 
 
 def test_a_corpus_from_another_tokenizer_is_refused(tiny_corpus, tmp_path):
@@ -510,7 +512,7 @@ def test_a_run_that_cannot_fit_is_refused_before_allocation():
     eager = estimate_for_run(load_config(toml, one_mb))
     graphs = estimate_for_run(load_config(toml, one_mb + ["train.cuda_graphs=on"]))
     check_fits(eager, int(eager.total) + 1)
-    with pytest.raises(ConfigError, match=r"To fit: train.cuda_graphs=off \(their pool"):
+    with pytest.raises(ConfigError, match=r"To fit: train.cuda_graphs=off \(their memory pool"):
         check_fits(graphs, int(eager.total) + 1)
 
 

@@ -109,8 +109,9 @@ def squares_sum_reference(tensors: list[torch.Tensor]) -> torch.Tensor:
 def squares_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
     """`squares_sum_reference` as a 0-d fp32 tensor on the tensors' device: the kernel over each
     contiguous tensor, the twin over any others (and everywhere off CUDA)."""
-    fast = [t for t in tensors if use_triton(t, ndim=None) and t.is_contiguous() and t.numel()]
-    rest = [t for t in tensors if not (use_triton(t, ndim=None) and t.is_contiguous())]
+    kernel = [use_triton(t, ndim=None) and t.is_contiguous() for t in tensors]
+    fast = [t for t, k in zip(tensors, kernel) if k and t.numel()]
+    rest = [t for t, k in zip(tensors, kernel) if not k]
     total = squares_sum_reference(rest) if rest else None
     if fast:
         grids = [triton.cdiv(t.numel(), SQ_BLOCK) for t in fast]

@@ -53,6 +53,7 @@ from pithtrain.config import ConfigError
 from pithtrain.ops.cross_entropy import CHUNK
 
 GB = 2**30
+GRAPHS_OFF = "train.cuda_graphs=off (their memory pool holds the gradients beside the activations), "
 
 
 @dataclass
@@ -161,11 +162,12 @@ def estimate(model: nn.Module, *, tokens: int, param_dtype: str = "fp32", autoca
     acts = tokens * sum(kept) + recomputed
     hidden = head.shape[1]
     dw = 4 if tokens > ce_chunk else state  # the head's dW: an fp32 accumulator over several chunks
-    head_bytes = dw * head.numel() + tokens * hidden * 3 * a + min(ce_chunk, tokens) * head.shape[0] * a
+    logits = min(ce_chunk, tokens) * head.shape[0] * a  # one chunk's
+    head_bytes = dw * head.numel() + tokens * hidden * 3 * a + logits
     est = MemoryEstimate(weights=n * state / world, gradients=n * state / world, optimizer=2 * n * state / world,
                          compute_copies=copies, activations=acts, head=head_bytes,
                          reduce_buffers=reduce_buffers + (hsdp_kept * n if accumulate else 0.0),
-                         outside_graphs=min(ce_chunk, tokens) * head.shape[0] * a if graphs else 0.0)
+                         outside_graphs=logits if graphs else 0.0)
     if not accumulate:
         per = state / world + hsdp_kept  # a reduced parameter's gradient, and what HSDP keeps of it
         grads = [sum(p.numel() for p in layer.parameters()) * per for layer in layers]
@@ -209,6 +211,6 @@ def check_fits(est: MemoryEstimate, device_bytes: int | None, world: int = 1) ->
         change = ("train.recompute=both (activations), a smaller data.micro_batch_size (the global batch stays, "
                   "by accumulation), or more ranks")
     if est.outside_graphs:
-        change = "train.cuda_graphs=off (their pool holds the gradients beside the activations), " + change
+        change = GRAPHS_OFF + change
     raise ConfigError(f"this run does not fit on {world} rank(s): {est.lines()[0]}; the device has "
                       f"{device_bytes / GB:.1f} GB. To fit: {change}")

@@ -30,6 +30,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from pithtrain.tools.memory import GRAPHS_OFF
+
 
 
 class TrainingHalted(RuntimeError):
@@ -147,10 +149,10 @@ def _local_bytes(t: torch.Tensor) -> int:
 
 
 def out_of_memory_report(model: torch.nn.Module, optimizer, device: torch.device, error: Exception,
-                         estimate=None, graphs: bool = False) -> str:
+                         estimate=None) -> str:
     """What holds this rank's memory when an allocation failed, the estimator's breakdown
-    (`tools/memory.py`), and what to change (`graphs`: train.cuda_graphs is on, whose memory pool
-    the estimate counts only roughly: docs/performance.md)."""
+    (`tools/memory.py`), and what to change (turning train.cuda_graphs off first when the estimate
+    is of a step under them)."""
     gb = 2**30
     params = sum(_local_bytes(p) for p in model.parameters())
     grads = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
@@ -163,13 +165,13 @@ def out_of_memory_report(model: torch.nn.Module, optimizer, device: torch.device
         rest = max(peak - params - grads - states, 0)
         lines.append(f"  activations and workspace (the rest of the peak) {rest / gb:.2f} GB; peak allocated "
                      f"{peak / gb:.2f} GB of the device's {total / gb:.2f} GB")
+    first = ""
     if estimate is not None:
         lines += ["  " + line for line in estimate.lines()]
-    lines.append("  to fit: " + ("train.cuda_graphs=off (the graphs hold their own memory pool beside the eager "
-                                 "cache), " if graphs else "") +
-                 "train.recompute=both (activations), train.param_dtype=bf16 (halves weights, gradients "
-                 "and states), a smaller data.micro_batch_size (the global batch stays, by accumulation), or more "
-                 "ranks (FSDP shards weights, gradients and states)")
+        first = GRAPHS_OFF if estimate.outside_graphs else ""  # a step under train.cuda_graphs
+    lines.append("  to fit: " + first + "train.recompute=both (activations), train.param_dtype=bf16 (halves weights, "
+                 "gradients and states), a smaller data.micro_batch_size (the global batch stays, by accumulation), "
+                 "or more ranks (FSDP shards weights, gradients and states)")
     return "\n".join(lines)
 
 

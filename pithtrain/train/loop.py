@@ -466,8 +466,7 @@ def train(cfg: RunConfig) -> dict:
             log.close()
             try:  # SIGTERM (torchrun ending the job) only sets the flag until the report is made
                 if isinstance(e, torch.OutOfMemoryError):
-                    raise TrainingHalted(out_of_memory_report(model, optimizer, device, e, memory,
-                                                              graphs is not None)) from e
+                    raise TrainingHalted(out_of_memory_report(model, optimizer, device, e, memory)) from e
                 kind = collective_failure(e) if mesh is not None else None
                 if kind is None:
                     raise
