@@ -26,12 +26,17 @@ the graphs' memory pool, and the allocated peak stays near the eager one (+0.06 
 The device memory held is larger: the pool is the graphs' own, held beside the blocks that eager
 code (the eager steps before capture, validation's forward, checkpoints) allocates and frees,
 and in it the gradients sit beside the step's free transient where eagerly they take the memory
-of the activations that the backward frees. Qwen3 proxy: 30.8 GB reserved vs 26.3 eagerly, 33.1
-once validation has run (its forward allocates outside the pool). The memory estimate counts
-the step as one that accumulates, plus validation's logits (33.0 GB here); an out-of-memory
-report names train.cuda_graphs=off first. The gradients read between replays are this step's.
-One process only (`train` refuses the others): FSDP, expert and context parallelism run
-collectives and host-side split sizes that a graph cannot hold.
+of the activations that the backward frees: the pool starts empty, each activation takes a
+segment of its own size, and a gradient larger than every freed one (768 MiB for a Qwen3 layer's
+gate/up experts) takes a new segment. Qwen3 proxy: 30.8 GB reserved vs 26.3 eagerly, 33.1 once
+validation has run (its forward allocates outside the pool). With
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the run's environment the freed activations
+are one range that the gradients reuse: 26.4 GB at the peak, as eagerly (measured on an H100).
+The memory estimate counts the fixed segments' case: the step as one that accumulates, plus
+validation's logits (33.0 GB here); an out-of-memory report names train.cuda_graphs=off first.
+The gradients read between replays are this step's. One process only (`train` refuses the
+others): FSDP, expert and context parallelism run collectives and host-side split sizes that a
+graph cannot hold.
 """
 
 from __future__ import annotations
