@@ -31,7 +31,7 @@ segment of its own size, and a gradient larger than every freed one (768 MiB for
 gate/up experts) takes a new segment. Qwen3 proxy: 30.8 GB reserved vs 26.3 eagerly, 33.1 once
 validation has run (its forward allocates outside the pool). With
 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the run's environment the freed activations
-are one range that the gradients reuse: 26.4 GB at the peak, as eagerly (measured on an H100).
+are one range that the gradients reuse: 26.4 GB at the training peak, as eagerly (H100).
 The memory estimate counts the fixed segments' case: the step as one that accumulates, plus
 validation's logits (33.0 GB here); an out-of-memory report names train.cuda_graphs=off first.
 The gradients read between replays are this step's. One process only (`train` refuses the
