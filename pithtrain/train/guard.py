@@ -33,7 +33,6 @@ import torch.distributed as dist
 from pithtrain.tools.memory import GRAPHS_OFF
 
 
-
 class TrainingHalted(RuntimeError):
     """The run stopped on purpose (non-finite values, too many skipped steps); the message says why."""
 
