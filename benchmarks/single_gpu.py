@@ -154,7 +154,9 @@ def ours_step(model, opt, inputs: torch.Tensor, labels: torch.Tensor, step: str 
     backward, clipping if `clip`, AdamW. `loop`: what `pithtrain train` runs, `train.loop.train_step`
     on a host batch (its upload, the target count, clipping, the guard's decision, one host
     synchronisation, the MoE statistics), so the difference between the two is the loop's own cost.
-    `graphs`: `loop` with train.cuda_graphs = on (its warm-up steps are the timing's)."""
+    `graphs`: `loop` with train.cuda_graphs = on (its warm-up steps are the timing's); its
+    `StepGraphs` switches the allocator to expandable segments for the rest of the process, HF's
+    side included (unless PYTORCH_CUDA_ALLOC_CONF chose)."""
     from pithtrain.train.graphs import StepGraphs
     from pithtrain.train.guard import StepGuard
     from pithtrain.train.loop import train_step

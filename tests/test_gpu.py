@@ -516,9 +516,11 @@ def test_memory_estimate_is_close_to_the_measured_peak(model):
 def test_memory_estimate_under_cuda_graphs_is_close_to_what_the_device_holds():
     """A 2-layer cut of the Qwen3 example (bf16 states, compile, kernels, one micro-batch of 2 x 2048
     a step) trained through `train_step` with its steps replayed as CUDA graphs, then validated
-    once: the estimate with `graphs=True` (gradients beside all activations, validation's logits
-    outside the pool) is within 10% of the memory the process holds from the device (reserved;
-    the allocated peak misses the pool's free blocks), counted from what it held before the model."""
+    once: the graphs' pool is in expandable segments (`StepGraphs` switched the allocator), and the
+    estimate with `graphs=True` (gradients beside all activations, validation's logits outside the
+    pool: the fixed segments' case) is at least the memory the process holds from the device at
+    its most (reserved; the allocated peak misses the pool's free blocks), counted from what it
+    held before the model. The allocator goes back to fixed segments for the tests after it."""
     import gc
 
     from pithtrain.tools.memory import estimate
@@ -538,6 +540,8 @@ def test_memory_estimate_under_cuda_graphs_is_close_to_what_the_device_holds():
     for step in range(1, 5):  # 2 eager, then capture and replays
         train_step(m, opt, batch, 1.0, dev, None, guard=guard, step=step, graphs=graphs)
     assert graphs.graph_a is not None
+    pool = [seg for seg in torch.cuda.memory_snapshot() if tuple(seg["segment_pool_id"]) != (0, 0)]
+    assert pool and all(seg["is_expandable"] for seg in pool), [(seg["total_size"], seg["is_expandable"]) for seg in pool]
     evaluate(m, [[(ids[:, :-1], ids[:, 1:], None, None)]], dev, None)
     train_step(m, opt, batch, 1.0, dev, None, guard=guard, step=5, graphs=graphs)
     torch.cuda.synchronize()
@@ -545,10 +549,11 @@ def test_memory_estimate_under_cuda_graphs_is_close_to_what_the_device_holds():
     est = estimate(m, tokens=4096, param_dtype="bf16", autocast=False, accumulate=False, graphs=True).total
     eager = estimate(m, tokens=4096, param_dtype="bf16", autocast=False, accumulate=False).total
     print("graphs: estimate", est / 2**30, "held", held / 2**30, "eager estimate", eager / 2**30)
-    assert 0.9 * held <= est <= 1.1 * held, (est / 2**30, held / 2**30)
+    assert held <= est, (est / 2**30, held / 2**30)
     del graphs, m, opt
     gc.collect()
     torch.cuda.empty_cache()
+    torch._C._accelerator_setAllocatorSettings("expandable_segments:False")
 
 
 @pytest.mark.parametrize("extra", [[], ["data.document_mask=true", "optim.grad_clip=0.5", "data.global_batch_size=6",

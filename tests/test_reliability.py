@@ -365,7 +365,7 @@ def test_out_of_memory_is_reported_with_a_breakdown(tiny_corpus, tmp_path, monke
     model, error = torch.nn.Linear(2, 2), torch.OutOfMemoryError("CUDA out of memory")
     under_graphs = MemoryEstimate(*[0.0] * 6, outside_graphs=2.0 * 2**30)  # the estimate of a step under the graphs
     text = out_of_memory_report(model, torch.optim.AdamW(model.parameters()), torch.device("cpu"), error, under_graphs)
-    assert "to fit: train.cuda_graphs=off (their memory pool holds the gradients" in text
+    assert "to fit: train.cuda_graphs=off (their memory pool is held apart" in text
 
 
 def test_a_corpus_from_another_tokenizer_is_refused(tiny_corpus, tmp_path):

@@ -150,6 +150,38 @@ def test_the_captured_body_is_the_eager_step_on_cpu():
         graphed.zero_grad(set_to_none=True)
 
 
+def test_cuda_graphs_turn_on_expandable_segments_unless_the_user_chose(monkeypatch):
+    """`StepGraphs` on a CUDA device switches the caching allocator to expandable segments, keeping
+    the other options of the environment's setting; a setting that names expandable_segments or
+    an allocator backend is the user's choice and stays; on the CPU nothing is switched."""
+    from pithtrain.train import graphs
+
+    calls = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    assert graphs.expandable_segments() and calls == ["expandable_segments:True", "empty_cache"]
+    cases = [("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512", "max_split_size_mb:512,expandable_segments:True"),
+             ("PYTORCH_ALLOC_CONF", "garbage_collection_threshold:0.8", "garbage_collection_threshold:0.8,"
+                                                                         "expandable_segments:True"),
+             ("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512, expandable_segments:False", None),
+             ("PYTORCH_ALLOC_CONF", "backend:cudaMallocAsync", None)]
+    for name, conf, want in cases:
+        monkeypatch.setenv(name, conf)
+        calls.clear()
+        assert graphs.expandable_segments() == (want is not None)
+        assert calls == ([want, "empty_cache"] if want else [])
+        monkeypatch.delenv(name)
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls.clear()
+    graphs.StepGraphs(model, opt, 1.0, torch.device("cpu"), None)
+    assert calls == []
+    graphs.StepGraphs(model, opt, 1.0, torch.device("cuda"), None)  # built only: nothing runs on the device
+    assert calls == ["expandable_segments:True", "empty_cache"]
+
+
 def test_fresh_run_refuses_an_existing_run_dir(tiny_corpus, tmp_path):
     toml = write_run(tmp_path, tiny_corpus)
     train(load_config(toml, ["train.steps=2", "optim.warmup_steps=1"]))

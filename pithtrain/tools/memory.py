@@ -35,10 +35,12 @@ Gradients and activations are held together differently in the two kinds of step
   working set), each layer's backward (the gradients made so far, the activations of the layers
   not yet done) and the end (all gradients, no activations);
 - a step replayed as CUDA graphs (`train.cuda_graphs`, `graphs`) is counted as one that
-  accumulates: in the graphs' memory pool the gradients do not take the freed activations'
-  memory; and validation's forward, eager, allocates its logits (one chunk) outside the pool
-  (`outside_graphs`). Qwen3 proxy: 30.81 GB held by the device in training and 33.13 after
-  validation, against 30.7 and 33.0 estimated so (24.9 for the eager walk; docs/performance.md).
+  accumulates: in the graphs' memory pool, in the allocator's fixed segments, the gradients do not
+  take the freed activations' memory; and validation's forward, eager, allocates its logits (one
+  chunk) outside the pool (`outside_graphs`). Qwen3 proxy: 30.81 GB held by the device in training
+  and 33.13 after validation, against 30.7 and 33.0 estimated so (24.9 for the eager walk;
+  docs/performance.md). In the expandable segments that `train/graphs.py` switches to, the
+  gradients do take that memory (26.4 GB held in training), so there this is an upper bound.
 Measured against the H200's peak (`tests/test_gpu.py`, and the 4-layer proxies of
 docs/performance.md): see the figures there. `check_fits` refuses a run whose estimate exceeds
 the device.
@@ -53,7 +55,7 @@ from pithtrain.config import ConfigError
 from pithtrain.ops.cross_entropy import CHUNK
 
 GB = 2**30
-GRAPHS_OFF = "train.cuda_graphs=off (their memory pool holds the gradients beside the activations), "
+GRAPHS_OFF = "train.cuda_graphs=off (their memory pool is held apart from the eager code's memory), "
 
 
 @dataclass

@@ -4,8 +4,9 @@ Eager, the host launches the step's kernels one by one, and after the guard's sy
 each step starts with a host that must launch the forward's first small kernels (embedding,
 norms, RoPE, routing) faster than the GPU runs them, which it cannot. A graph launches the whole
 captured sequence at once. Measured on an H100: +0.3-1.8% tokens/s on the three proxies, hence off
-by default; and the device memory held (reserved) grows by 4-7 GB on the Qwen3 proxy, where the
-allocated peak grows by 0.06 GB (below; docs/performance.md).
+by default; and in the allocator's default fixed segments the device memory held (reserved) grows
+by 4-7 GB on the Qwen3 proxy, where the allocated peak grows by 0.06 GB, hence expandable segments
+(below; docs/performance.md).
 
 - Graph A: every micro-batch's forward and backward from static input buffers, then the
   gradients' norm and clipping's factor.
@@ -23,23 +24,29 @@ made) and one forward and backward on the capture stream that changes nothing it
 per-stream state, such as cuBLAS's workspace, is made outside the graph). Gradients are None at
 capture, so each replay writes them afresh as an eager step after `zero_grad` does; they live in
 the graphs' memory pool, and the allocated peak stays near the eager one (+0.06 GB measured).
-The device memory held is larger: the pool is the graphs' own, held beside the blocks that eager
+In fixed segments the device memory held is larger: the pool is the graphs' own, held beside the blocks that eager
 code (the eager steps before capture, validation's forward, checkpoints) allocates and frees,
 and in it the gradients sit beside the step's free transient where eagerly they take the memory
 of the activations that the backward frees: the pool starts empty, each activation takes a
 segment of its own size, and a gradient larger than every freed one (768 MiB for a Qwen3 layer's
 gate/up experts) takes a new segment. Qwen3 proxy: 30.8 GB reserved vs 26.3 eagerly, 33.1 once
-validation has run (its forward allocates outside the pool). With
-PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the run's environment the freed activations
-are one range that the gradients reuse: 26.4 GB at the training peak, as eagerly (H100).
-The memory estimate counts the fixed segments' case: the step as one that accumulates, plus
-validation's logits (33.0 GB here); an out-of-memory report names train.cuda_graphs=off first.
+validation has run (its forward allocates outside the pool). In expandable segments the freed
+activations are one range that the gradients reuse: 26.4 GB at the training peak, as eagerly
+(H100, with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True set before the process started).
+So `StepGraphs` switches the caching allocator to expandable segments before its eager steps
+(`expandable_segments`), unless the environment names that option or another allocator backend
+(this switch from inside the process is not yet measured on a GPU; docs/performance.md).
+The memory estimate counts the fixed segments' case, an upper bound: the step as one that
+accumulates, plus validation's logits (33.0 GB here); an out-of-memory report names
+train.cuda_graphs=off first.
 The gradients read between replays are this step's. One process only (`train` refuses the
 others): FSDP, expert and context parallelism run collectives and host-side split sizes that a
 graph cannot hold.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -48,6 +55,22 @@ from pithtrain.train.data import micro_batch_fields
 from pithtrain.train.optim import clip_grad_norm
 
 WARMUP = 2  # eager steps before capture: the first compiles, the second runs as every later step
+
+
+def expandable_segments() -> bool:
+    """Make the caching allocator's new segments expandable (one range of addresses per pool that
+    grows and shrinks, so freed neighbours join), keeping the other options of PYTORCH_ALLOC_CONF /
+    PYTORCH_CUDA_ALLOC_CONF, and give back the cached free blocks of fixed segments; unless that
+    setting names `expandable_segments` or `backend` (the user chose). Returns whether it switched.
+    For the rest of the process: the graphs' pool lives as long as it."""
+    conf = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    if any(opt.split(":")[0].strip() in ("expandable_segments", "backend") for opt in conf.split(",")):
+        return False
+    setting = ",".join(filter(None, (conf, "expandable_segments:True")))
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+    setter(setting)
+    torch.cuda.empty_cache()
+    return True
 
 
 def _layout(micro_batches: list[tuple]) -> list[list]:
@@ -64,6 +87,8 @@ class StepGraphs:
         self.graph_a = self.graph_b = None
         self.inputs: list[tuple] = []  # per micro-batch: (ids, labels, positions or None, documents or None)
         self.scalars = None  # [1 / targets, loss factor, lr, share of micro-batch 0, 1, ...]
+        if device.type == "cuda":  # before the eager steps, whose blocks the pool's capture would find cut up
+            expandable_segments()
 
     def ready(self) -> bool:
         """Whether this step replays (after the first WARMUP steps, which the caller runs eagerly)."""
