@@ -204,7 +204,7 @@ def test_a_folder_that_is_not_a_checkpoint_says_what_to_name(tmp_path, hf_folder
     are each refused with what to set instead."""
     save(tmp_path / "run" / "checkpoints", 10, model_and_optimizer())
     for where in (tmp_path / "run" / "checkpoints", tmp_path / "run"):
-        with pytest.raises(CheckpointError, match="name one of its step-N folders, or set checkpoint.resume=auto"):
+        with pytest.raises(CheckpointError, match=r"name one of its step-N folders \(to continue a run, checkpoint.resume=auto takes"):
             checkpoint.verify(str(where))
     with pytest.raises(CheckpointError, match="Hugging Face folder: convert it with `pithtrain convert hf-to-dcp"):
         checkpoint.verify(str(hf_folder))
@@ -288,3 +288,29 @@ def test_a_resume_reads_the_checkpoint_for_its_checksums_once(tiny_corpus, tmp_p
         train(load_config(toml, ["train.steps=3", "train.device=cpu", f"checkpoint.resume={resume}",
                                  "checkpoint.save_final=false"]))
         assert read.count(saved) == 1, (resume, read)
+
+
+def test_checkpoints_of_another_aux_free_setting_or_head_say_which_setting_to_change(tmp_path):
+    """A checkpoint trained with moe.aux_free (its routers' correction biases) met by a model without
+    it, and the reverse on resume, name moe.aux_free; an untied checkpoint exported with a config
+    that ties the head is refused (the export would drop the trained head), a tied one exports."""
+    from pithtrain.layers.moe import BalanceOptions
+
+    free = build_model(dict(QWEN3), BalanceOptions(aux_free=True))
+    with_bias = save(tmp_path / "free", 1, (free, torch.optim.AdamW(free.parameters())))
+    without = save(tmp_path / "plain", 1, model_and_optimizer())
+    plain = model_and_optimizer()
+    for load in (lambda: checkpoint.load_weights(with_bias, plain[0]), lambda: checkpoint.load(with_bias, *plain)):
+        with pytest.raises(CheckpointError, match="trained with moe.aux_free .*set moe.aux_free=true as it was"):
+            load()
+    with pytest.raises(CheckpointError, match="trained without moe.aux_free .*set moe.aux_free=false as it was"):
+        checkpoint.load(without, free, torch.optim.AdamW(free.parameters()))
+
+    with pytest.raises(CheckpointError, match="lm_head.weight differs .* tie_word_embeddings is false"):
+        hf.dcp_to_hf(without, str(tmp_path / "tied-out"), hf_config=dict(QWEN3, tie_word_embeddings=True))
+    assert not (tmp_path / "tied-out").exists()
+    tied = model_and_optimizer(tie_word_embeddings=True)
+    path = save(tmp_path / "tied", 1, tied)
+    hf.dcp_to_hf(path, str(tmp_path / "tied-hf"), hf_config=dict(QWEN3, tie_word_embeddings=True))
+    index = json.load(open(tmp_path / "tied-hf" / "model.safetensors.index.json"))["weight_map"]
+    assert "lm_head.weight" not in index and "model.embed_tokens.weight" in index

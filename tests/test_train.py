@@ -219,6 +219,55 @@ def test_fresh_run_refuses_an_existing_run_dir(tiny_corpus, tmp_path):
     assert open(tmp_path / "nock" / "metrics.jsonl").read() == before
 
 
+def test_a_rewind_sets_the_later_timeline_aside_at_once_and_a_branch_is_a_run_of_its_own(tiny_corpus, tmp_path,
+                                                                                          monkeypatch):
+    """resume=PATH of an earlier step moves the later checkpoints aside when the run resumes: a crash
+    before its first save leaves resume=auto the rewound timeline, and pruning never deletes the old
+    one. A run started from another run's checkpoint gets its own run id, so that run's later
+    checkpoints are not taken for its own. A complete `.tmp-step-N`, a run's only checkpoint, resumes."""
+    toml = write_run(tmp_path, tiny_corpus)
+    ckpts = tmp_path / "run" / "checkpoints"
+    base = ["train.steps=6", "optim.warmup_steps=1", "checkpoint.every=2", "checkpoint.keep=2"]
+    train(load_config(toml, base))
+    run_id = lambda path: json.load(open(path / "trainer.json"))["run"]  # noqa: E731
+    first = run_id(ckpts / "step-00000006")
+    monkeypatch.setenv("PITHTRAIN_FAULT", "raise:5")  # fails before the rewound run's first save
+    with pytest.raises(RuntimeError, match="injected fault"):
+        train(load_config(toml, base + [f"checkpoint.resume={ckpts}/step-00000004", "checkpoint.every=3"]))
+    monkeypatch.delenv("PITHTRAIN_FAULT")
+    assert sorted(os.listdir(ckpts)) == [".abandoned-step-00000006", "step-00000004"]  # step 2 pruned by the first run
+    train(load_config(toml, base + ["checkpoint.resume=auto", "checkpoint.keep=1"]))
+    assert sorted(os.listdir(ckpts)) == [".abandoned-step-00000006", "step-00000006"]
+    assert run_id(ckpts / "step-00000006") == first == run_id(ckpts / ".abandoned-step-00000006")
+
+    branch = ["train.steps=6", "optim.warmup_steps=1", f"log.run_dir={tmp_path}/branch"]
+    train(load_config(toml, branch + [f"checkpoint.resume={ckpts}/.abandoned-step-00000006", "train.steps=8"]))
+    assert run_id(tmp_path / "branch" / "checkpoints" / "step-00000008") != first
+    before = open(tmp_path / "branch" / "metrics.jsonl").read()
+    with pytest.raises(ConfigError, match="branch already holds a run"):
+        train(load_config(toml, branch + [f"checkpoint.resume={ckpts}/step-00000006", "train.steps=8"]))
+    assert open(tmp_path / "branch" / "metrics.jsonl").read() == before
+
+    os.rename(ckpts / "step-00000006", ckpts / ".tmp-step-00000006")  # a save killed after its marker, before its rename
+    train(load_config(toml, base + ["checkpoint.resume=auto", "train.steps=7"]))
+    assert checkpoint.latest(str(ckpts)).endswith("step-00000007")
+    assert run_id(ckpts / "step-00000007") == first
+
+
+def test_init_from_a_damaged_checkpoint_names_the_damage(tiny_corpus, tmp_path):
+    """checkpoint.init_from of a checkpoint whose trainer.json (read for its tokenizer) is cut short:
+    the verification's error naming the file, before anything reads it; nothing is written."""
+    toml = write_run(tmp_path, tiny_corpus)
+    train(load_config(toml, ["train.steps=2", "optim.warmup_steps=1"]))
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tmp_path / "run" / "checkpoints" / "step-00000002", damaged)
+    text = (damaged / "trainer.json").read_text()
+    (damaged / "trainer.json").write_text(text[:len(text) // 2])
+    with pytest.raises(checkpoint.CheckpointError, match=r"damaged: trainer.json has \d+ bytes, expected"):
+        train(load_config(toml, ["train.steps=2", f"log.run_dir={tmp_path}/new", f"checkpoint.init_from={damaged}"]))
+    assert not (tmp_path / "new" / "metrics.jsonl").exists()
+
+
 def test_paths_and_sizes_that_cannot_work_are_config_errors(tiny_corpus, tmp_path):
     """An empty log.run_dir, a log.run_dir or checkpoint.dir that is a file, `memory --world 0`,
     `bench` without CUDA and a checkpoint path that does not exist: each an error that says so."""

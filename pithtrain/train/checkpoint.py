@@ -8,10 +8,10 @@ Layout of `<dir>/step-NNNNNNNN/`:
   complete.json           written last: each file's size and CRC-32; its presence marks completion
 A save goes to `.tmp-step-NNNNNNNN/` and is renamed when complete, so a save killed at any point
 leaves the earlier checkpoints untouched and the partial one ignored (and removed at the next
-start). When a save starts, checkpoints of its step or later (a timeline abandoned by
-resuming an earlier checkpoint, or ones passed over as invalid) are renamed to
-`.abandoned-step-NNNNNNNN/` (kept, not resumed by `resume=auto`); after it, the newest `keep`
-checkpoints up to its step stay. Listing checks sizes; loading checks every CRC (rank 0 reads the
+start). When a run resumes from step S, checkpoints after S (a timeline abandoned by resuming an
+earlier checkpoint, or ones passed over as invalid), and when a save starts, those of its step or
+later, are renamed to `.abandoned-step-NNNNNNNN/` (kept, not resumed by `resume=auto`, never
+pruned); after a save, the newest `keep` checkpoints up to its step stay. Listing checks sizes; loading checks every CRC (rank 0 reads the
 files, the verdict goes to all ranks), so a truncated or corrupted checkpoint is refused with its
 path and file named, and `resume=auto` passes over it to the newest valid one (`newest_valid`).
 
@@ -209,8 +209,8 @@ def _what_it_is(path: str) -> str:
     """For a folder without a marker: what it looks like and what to name instead."""
     names = os.listdir(path)
     if any(STEP_DIR.match(n) for n in names) or os.path.isdir(os.path.join(path, "checkpoints")):
-        return ("; it holds checkpoints rather than being one: name one of its step-N folders, or set "
-                "checkpoint.resume=auto to take the newest valid one of checkpoint.dir")
+        return ("; it holds checkpoints rather than being one: name one of its step-N folders (to continue a run, "
+                "checkpoint.resume=auto takes the newest valid one of checkpoint.dir)")
     if any(n.endswith(".safetensors") for n in names):
         return (f"; it is a Hugging Face folder: convert it with `pithtrain convert hf-to-dcp {path} OUT` and name "
                 "OUT")
@@ -333,9 +333,10 @@ def clean_partial(root: str) -> list[str]:
 
 
 def set_aside(root: str, step: int) -> list[str]:
-    """When checkpoint `step` is saved: every `step-M` with M >= step is not on this run's
-    timeline (the run resumed from an earlier step, or passed over them as invalid), so each is
-    renamed to `.abandoned-step-M` (kept, never deleted, not resumed by `resume=auto`)."""
+    """When checkpoint `step` is saved, or a run resumes from `step` - 1: every `step-M` with
+    M >= step is not on this run's timeline (the run resumed from an earlier step, or passed over
+    them as invalid), so each is renamed to `.abandoned-step-M` (kept, never deleted, not resumed by
+    `resume=auto`)."""
     moved = []
     for s, path in step_dirs(root):
         if s >= step:
@@ -388,6 +389,10 @@ def check_tensors(path: str, have: dict[str, tuple], want: dict[str, tuple]) -> 
     for what, names in (("missing", missing), ("unexpected", unexpected)):
         if names:
             lines.append(f"{what} tensors ({len(names)}): " + ", ".join(names[:20]) + (" ..." if len(names) > 20 else ""))
+    if lines and not mismatched and all(n.endswith(".e_score_correction_bias") for n in missing + unexpected):
+        saved = "with" if unexpected else "without"  # the routers' biases of moe.aux_free, and nothing else
+        raise CheckpointError(f"checkpoint {path} was trained {saved} moe.aux_free (its routers' correction biases): "
+                              f"set moe.aux_free={'true' if unexpected else 'false'} as it was\n" + "\n".join(lines))
     if lines:
         raise CheckpointError(f"checkpoint {path} does not match the model (check model.config and its "
                               f"overrides):\n" + "\n".join(lines))
@@ -429,9 +434,11 @@ def _dcp_load(state: dict, path: str, what: str) -> None:
         raise CheckpointError(f"checkpoint {path} does not match this {what}: {e}") from None
 
 
-def load_weights(path: str, model: torch.nn.Module) -> None:
-    """Load only the model weights of `path`: a converted Hugging Face checkpoint or a training one."""
-    verify_everywhere(path)
+def load_weights(path: str, model: torch.nn.Module, verified: bool = False) -> None:
+    """Load only the model weights of `path`: a converted Hugging Face checkpoint or a training one.
+    `verified`: the caller has just verified it in full (`verify_everywhere`)."""
+    if not verified:
+        verify_everywhere(path)
     state = get_model_state_dict(model)
     stored = stored_tensors(path)
     view, pairs = _global_experts(state, model, "model")

@@ -355,8 +355,15 @@ def hf_to_dcp(src: str, out: str, tokenizer: str | None = None) -> dict:
 def check_against_config(ckpt: str, hf_config: dict) -> dict[str, tuple[tuple, torch.dtype]]:
     """The checkpoint's model tensors (shape, dtype), checked against the model of `hf_config`."""
     have = stored_tensors(ckpt)
-    if hf_config.get("tie_word_embeddings"):
-        have.pop("lm_head.weight", None)
+    if hf_config.get("tie_word_embeddings") and "lm_head.weight" in have and "model.embed_tokens.weight" in have:
+        pair = {n: torch.empty(have[n][0], dtype=have[n][1]) for n in ("lm_head.weight", "model.embed_tokens.weight")}
+        with quiet():
+            dcp.load({"model": pair}, checkpoint_id=ckpt)
+        if not torch.equal(*pair.values()):  # a tied export would drop the trained head
+            raise CheckpointError(f"{ckpt}: the config ties the head to the embedding (tie_word_embeddings) but the "
+                                  "checkpoint's lm_head.weight differs from model.embed_tokens.weight (trained "
+                                  "untied); export with a config whose tie_word_embeddings is false to keep both")
+        del have["lm_head.weight"]
     expected = expected_tensors(hf_config)
     biases = sorted(n for n in have if n.endswith(".e_score_correction_bias") and n not in expected)
     if biases:

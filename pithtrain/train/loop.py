@@ -381,8 +381,9 @@ def train(cfg: RunConfig) -> dict:
     optimizer = build_optimizer(model, cfg.optim)
 
     ckpt_dir, start = cfg.checkpoint_dir, 0
-    run = uuid.uuid4().hex  # this run's id, saved in its checkpoints; a resume keeps the saved one
+    run = uuid.uuid4().hex  # this run's id, saved in its checkpoints; a resume of this run keeps the saved one
     resume = cfg.checkpoint.resume
+    checkpoint.clean_partial(ckpt_dir)  # first: a save killed after its marker leaves a checkpoint to find
     if resume == "none" or (resume == "auto" and not checkpoint.step_dirs(ckpt_dir)):
         refuse_to_overwrite(cfg.log.run_dir, ckpt_dir)  # auto with nothing to resume starts afresh: the same rule
     elif resume != "auto" and not of_this_run(resume, ckpt_dir):
@@ -391,7 +392,6 @@ def train(cfg: RunConfig) -> dict:
         dist.barrier()  # every rank has looked before rank 0 writes
     if rank0:
         save_run_config(cfg)
-    checkpoint.clean_partial(ckpt_dir)
     refused = []
     if resume == "auto":
         path, refused = checkpoint.newest_valid(ckpt_dir)
@@ -409,7 +409,9 @@ def train(cfg: RunConfig) -> dict:
             raise ConfigError(f"checkpoint {path} was trained on a corpus with another tokenizer (fingerprint "
                               f"{state['tokenizer']}) than data.corpus = {d.corpus} ({corpus_tokenizer}); resume "
                               "with the corpus it was trained on")
-        start, run = state["step"], state.get("run", run)
+        start = state["step"]
+        if resume == "auto" or of_this_run(path, ckpt_dir):  # else a new run that starts from another's checkpoint
+            run = state.get("run", run)
         sampler.load_state_dict(state["data"])
         if state["data"]["global_batch"] != d.global_batch_size:
             notes.append(f"data.global_batch_size changed from {state['data']['global_batch']} to "
@@ -423,9 +425,12 @@ def train(cfg: RunConfig) -> dict:
         if cfg.train.stop_at and start >= cfg.train.stop_at:
             raise ConfigError(f"train.stop_at = {cfg.train.stop_at} but {path} is already at step {start}: "
                               "raise train.stop_at, or set it to 0 to run to train.steps")
+        if rank0:  # later checkpoints are off this run's timeline from now on, not from its first save
+            checkpoint.set_aside(ckpt_dir, start + 1)
     elif cfg.checkpoint.init_from:
+        checkpoint.verify_everywhere(cfg.checkpoint.init_from)  # before its trainer.json is read
         check_tokenizer_matches(cfg.checkpoint.init_from, train_ds, corpus_tokenizer)
-        checkpoint.load_weights(cfg.checkpoint.init_from, model)
+        checkpoint.load_weights(cfg.checkpoint.init_from, model, verified=True)
     log = RunLog(cfg.log.run_dir, cfg.train.steps, start, progress=cfg.log.progress,
                  tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb, wandb_project=cfg.log.wandb_project,
                  config=cfg.to_dict()) if rank0 else QuietLog()
