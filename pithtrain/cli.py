@@ -125,18 +125,19 @@ def cmd_demo(args) -> int:
 def cmd_memory(args) -> int:
     from pithtrain.parallel.mesh import plan_layout
     from pithtrain.tools.memory import GB, check_fits, estimate_for_run
-    from pithtrain.train.loop import autocast_dtype
+    from pithtrain.train.loop import autocast_dtype, check_graphs
 
     cfg = load_config(args.config, args.overrides)
     if args.world < 1:
         raise ConfigError(f"--world {args.world}: give the number of ranks, 1 or more")
+    if not 0 <= args.device_gb < float("inf"):  # nan fails this too
+        raise ConfigError(f"--device-gb {args.device_gb:g}: give the device's memory in GiB (0: no check)")
     layout = plan_layout(cfg, args.world)
     device_type = "cpu" if cfg.train.device == "cpu" else "cuda"  # train.device=auto: planned for a GPU
+    check_graphs(cfg, device_type, layout.world, layout.world > 1)
     autocast = autocast_dtype(cfg, device_type) is not None
     est = estimate_for_run(cfg, layout.world, layout.cp, autocast=autocast, data_ranks=layout.data_ranks)
     print("\n".join(est.lines()))
-    if args.device_gb < 0:
-        raise ConfigError(f"--device-gb {args.device_gb:g}: give the device's memory in GiB (0: no check)")
     if args.device_gb:
         check_fits(est, int(args.device_gb * GB), layout.world)
         print(f"fits in {args.device_gb:g} GB")

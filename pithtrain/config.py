@@ -174,6 +174,10 @@ def _annotation(section: str, key: str) -> Any:
     return typing.get_type_hints(type(getattr(RunConfig(), section))).get(key)
 
 
+# config.json fields that transformers reads and this library does not, and the setting that does the same
+NOT_READ = {"router_aux_loss_coef": "moe.aux_loss_coef"}
+
+
 def _hf_override(key: str, base: dict, value: Any) -> Any:
     if key not in base:
         hint = ""
@@ -181,6 +185,8 @@ def _hf_override(key: str, base: dict, value: Any) -> Any:
             first = key.split(".")[0]
             hint = f"; for a field inside {first}, give the table: model.{first}={{{key.split('.', 1)[1]} = ...}}"
         raise ConfigError(f"model.{key} is not a field of the model's config.json{hint}; valid fields: {sorted(base)}")
+    if key in NOT_READ:
+        raise ConfigError(f"model.{key} is not read by this library: set {NOT_READ[key]} instead")
     old = base[key]
     if old is None or value is None:
         return value
@@ -188,6 +194,8 @@ def _hf_override(key: str, base: dict, value: Any) -> Any:
         return {**old, **value}
     if isinstance(old, float) and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if type(old) is int and isinstance(value, float) and value.is_integer():  # rope_theta=1e6 where the file has 10000
+        return int(value)
     if type(old) is not type(value):
         raise ConfigError(
             f"model.{key} = {value!r} has type {type(value).__name__}, config.json has "
@@ -374,8 +382,9 @@ def validate(cfg: RunConfig) -> None:
             f"model.num_experts_per_tok = {hf['num_experts_per_tok']} exceeds model.num_experts = "
             f"{hf['num_experts']}"
         )
-    if cfg.parallel.timeout_s <= 0:
-        raise ConfigError(f"parallel.timeout_s = {cfg.parallel.timeout_s} must be positive (seconds)")
+    if not 0 < cfg.parallel.timeout_s <= 1e9:  # inf or more overflows the process group's timedelta
+        raise ConfigError(f"parallel.timeout_s = {cfg.parallel.timeout_s} must be positive and at most 1e9 (seconds; "
+                          "1e9 for no practical limit)")
     if t.spike_factor and (t.spike_factor <= 1 or t.spike_window < 1):
         raise ConfigError(f"train.spike_factor = {t.spike_factor} must be above 1 (or 0: off) and train.spike_window "
                           f"= {t.spike_window} at least 1")

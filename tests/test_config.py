@@ -57,11 +57,31 @@ def test_float_field_accepts_int(toml):
     ("", ["model.rope_theta.x=1"], "model.rope_theta.x is not a field"),
     ("", ["optim.lr=1e-5"], "need 0 <= optim.min_lr <= optim.lr"),  # cosine decays to min_lr 3e-5
     ("", ["optim.grad_clip=nan"], "optim.grad_clip = nan: give a number"),
+    ("", ["parallel.timeout_s=inf"], "must be positive and at most 1e9 (seconds"),
+    ("", ["model.hidden_size=32.5"], "model.hidden_size = 32.5 has type float"),
 ])
 def test_errors_name_the_key(toml, body, overrides, message):
     with pytest.raises(ConfigError) as e:
         load_config(toml(body), overrides)
     assert message in str(e.value)
+
+
+def test_overrides_of_fields_this_library_reads_otherwise(tmp_path):
+    """An integral float where config.json holds an int is that int; router_aux_loss_coef (read by
+    transformers, not here) names moe.aux_loss_coef; a rope_scaling table without its type, or not
+    a table, is refused rather than read as no scaling."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**HF, "rope_theta": 10000, "rope_scaling": None, "router_aux_loss_coef": 0.001}))
+    cfg = load_config(None, [f"model.config={path}", "model.rope_theta=1e6"])
+    assert cfg.model.hf["rope_theta"] == 1000000 and type(cfg.model.hf["rope_theta"]) is int
+    for override, message in (("model.router_aux_loss_coef=0.1", "not read by this library: set moe.aux_loss_coef"),
+                              ("model.rope_scaling={factor = 4.0}", "must be a table that names its rope_type"),
+                              ("model.rope_scaling=yarn", "rope_scaling = 'yarn' must be a table")):
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, [f"model.config={path}", override])
+    yarn = load_config(None, [f"model.config={path}", "model.rope_scaling={type = 'yarn', factor = 4.0, "
+                                                      "original_max_position_embeddings = 128}"])
+    assert yarn.model.hf["rope_scaling"]["factor"] == 4.0
 
 
 def test_a_key_outside_any_table_is_named(tmp_path):

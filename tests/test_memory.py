@@ -1,6 +1,8 @@
 """The memory estimator (pithtrain/tools/memory.py): the parts that can be counted exactly are
 counted against real tensors; activations against the GPU peak in test_gpu.py."""
 
+import re
+
 import pytest
 import torch
 from test_hf_parity import CASES
@@ -176,3 +178,8 @@ def test_memory_command_follows_the_run_s_compute(capsys):
         line = capsys.readouterr().out
         figures.append(float(line.split("activations ")[1].split(" GB")[0]))
     assert figures[1] == pytest.approx(2 * figures[0], rel=0.05)
+    for bad, message in ((["--device-gb", "nan"], "--device-gb nan: give the device's memory"),
+                         (["train.cuda_graphs=on", "--world", "2"], "train.cuda_graphs = on .* in 2 process"),
+                         (["train.cuda_graphs=on", "train.device=cpu"], "train.cuda_graphs = on .* on the CPU")):
+        assert main(["memory", toml, *bad]) == 2
+        assert re.search(message, capsys.readouterr().err)

@@ -302,7 +302,7 @@ def test_cli_reports_config_errors(tiny_corpus, tmp_path):
 
 def test_stop_at_saves_and_a_resume_follows_the_optim_config(tiny_corpus, tmp_path, monkeypatch):
     """An invocation ended by train.stop_at saves even with save_final off; a resume at or past
-    stop_at is refused; the resumed optimizer takes the config's betas, eps and weight decay, not
+    stop_at is refused (the run's run_config.json untouched); the resumed optimizer takes the config's betas, eps and weight decay, not
     the ones saved with its state."""
     from pithtrain.train import loop
 
@@ -310,8 +310,10 @@ def test_stop_at_saves_and_a_resume_follows_the_optim_config(tiny_corpus, tmp_pa
     base = ["train.steps=6", "optim.warmup_steps=1", "checkpoint.save_final=false"]
     train(load_config(toml, base + ["train.stop_at=3"]))
     assert checkpoint.latest(str(tmp_path / "run" / "checkpoints")).endswith("step-00000003")
+    saved = open(tmp_path / "run" / "run_config.json").read()
     with pytest.raises(ConfigError, match="stop_at = 3 but .* already at step 3"):
-        train(load_config(toml, base + ["train.stop_at=3", "checkpoint.resume=auto"]))
+        train(load_config(toml, base + ["train.stop_at=3", "checkpoint.resume=auto", "optim.lr=1.0"]))
+    assert open(tmp_path / "run" / "run_config.json").read() == saved  # a refused command writes nothing
     seen, real = [], loop.train_step
 
     def spy(model, optimizer, *args, **kwargs):

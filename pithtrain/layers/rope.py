@@ -19,8 +19,12 @@ from torch import nn
 
 def rope_parameters(hf: dict) -> dict:
     """The RoPE fields of a config.json as one dict with `rope_type` and `rope_theta` set."""
+    scaling = hf.get("rope_scaling") or {}
+    if not isinstance(scaling, dict) or (scaling and not {"rope_type", "type"} & scaling.keys()):
+        raise ValueError(f"rope_scaling = {scaling!r} must be a table that names its rope_type, e.g. "
+                         "{rope_type = 'yarn', factor = 4.0, original_max_position_embeddings = 4096}")
     params = dict(hf.get("rope_parameters") or {})
-    params.update(hf.get("rope_scaling") or {})
+    params.update(scaling)
     params.setdefault("rope_theta", hf.get("rope_theta"))
     if params["rope_theta"] is None:
         raise ValueError("config.json has no rope_theta (top level or in rope_parameters)")

@@ -5,19 +5,20 @@ The `ep` ranks of a group split the E routed experts evenly: rank r owns the glo
 k times. Here it crosses once per destination *rank*:
 
   plan      (sender)    per token, the distinct destination ranks among its k experts; one row
-                        per (token, destination), sorted by destination (a gather, `ops/permute`),
+                        per (token, destination), sorted by destination (`ops/permute.permute`),
                         with the token's k global expert ids (masked to the experts of that
                         destination) and routing weights. Row counts are exchanged (one small
                         all-to-all; the only host synchronisation of the layer, because the
                         all-to-all needs its split sizes on the host).
   dispatch  (network)   all-to-all of rows, weights and ids.
   compute   (receiver)  each received row is expanded to one copy per local expert it wants
-                        (gathered into expert order), grouped GEMMs, then the copies of a row
+                        (written into expert order), grouped GEMMs, then the copies of a row
                         are summed with their routing weights: one row per received row.
   combine   (network)   all-to-all back: one row per (token, destination), the mirror image.
   aggregate (sender)    a token sums the rows that came back from its destination ranks.
 
-Every permutation is a gather in forward and backward. The all-to-alls are autograd functions
+`permute` writes each token to its slots' rows (each row written once, no atomics) and `combine`
+gathers them back; each is the other's backward. The all-to-alls are autograd functions
 whose backward is the reverse all-to-all, so gradients (of the rows, and of the routing weights)
 take the same deduplicated paths back.
 """

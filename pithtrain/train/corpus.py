@@ -260,7 +260,8 @@ def _parquet(path: str, text_key: str) -> Iterator[str]:
         raise CorpusError(f"{path}: no column {text_key!r} (columns: {schema.names}); "
                           "name the text column with text_key= (--text-key)")
     typ = schema.field(text_key).type
-    if not (pa.types.is_string(typ) or pa.types.is_large_string(typ) or str(typ) == "string_view"):
+    strings = lambda t: pa.types.is_string(t) or pa.types.is_large_string(t) or str(t) == "string_view"  # noqa: E731
+    if not (strings(typ) or (pa.types.is_dictionary(typ) and strings(typ.value_type))):  # dictionary: categoricals
         raise CorpusError(f"{path}: column {text_key!r} has type {typ}, expected strings (columns: {schema.names})")
     row = 0
     try:

@@ -140,8 +140,9 @@ class GlobalBatchSampler:
             raise CorpusError(f"the checkpoint's sampler saw {sd['n_samples']} windows, the dataset now has "
                               f"{self.n_samples}: the corpus or data.seq_len changed since the checkpoint")
         if sd["seed"] != self.seed:
-            raise CorpusError(f"the checkpoint's sampler seed {sd['seed']} differs from the configured seed "
-                              f"{self.seed}: the seed changed since the checkpoint")
+            raise CorpusError(f"the checkpoint's sampler seed {sd['seed']} differs from train.seed = {self.seed}: "
+                              f"resume with train.seed={sd['seed']}, or start from its weights with "
+                              "checkpoint.init_from")
         if not 0 <= sd["offset"] <= self.n_samples or sd["epoch"] < 0:
             raise CorpusError(f"the checkpoint's sampler position {sd} is invalid")
         self._epoch, self._offset, self._perm = int(sd["epoch"]), int(sd["offset"]), None

@@ -335,6 +335,15 @@ def save_run_config(cfg: RunConfig) -> None:
         json.dump(cfg.to_dict(), f, indent=2)
 
 
+def check_graphs(cfg: RunConfig, device_type: str, world: int, launched: bool) -> None:
+    """train.cuda_graphs = on needs one process on one GPU."""
+    if cfg.train.cuda_graphs == "on" and (device_type != "cuda" or launched):
+        where = "on the CPU" if device_type != "cuda" else f"in {world} process(es) under torchrun"
+        raise ConfigError(f"train.cuda_graphs = on replays the step of one process on one GPU, and this run is {where} "
+                          "(FSDP, expert and context parallelism run collectives a graph cannot hold); "
+                          "set train.cuda_graphs=off")
+
+
 def train(cfg: RunConfig) -> dict:
     """Run the configured training; return a summary (run dir, losses, throughput, plot path)."""
     if cfg.train.threads:
@@ -365,11 +374,7 @@ def train(cfg: RunConfig) -> dict:
                      f"{len(val_ds) // d.global_batch_size} global batches: val_loss uses those")
     sampler = GlobalBatchSampler(len(train_ds), d.global_batch_size, cfg.train.seed, d.seq_len, train_ds.n_tokens)
     launched = "TORCHELASTIC_RUN_ID" in os.environ or layout.world > 1  # under torchrun: the sharded path
-    if cfg.train.cuda_graphs == "on" and (device.type != "cuda" or launched):
-        where = "on the CPU" if device.type != "cuda" else f"in {layout.world} process(es) under torchrun"
-        raise ConfigError(f"train.cuda_graphs = on replays the step of one process on one GPU, and this run is {where} "
-                          "(FSDP, expert and context parallelism run collectives a graph cannot hold); "
-                          "set train.cuda_graphs=off")
+    check_graphs(cfg, device.type, layout.world, launched)
     mesh = init_distributed(layout, device.type, cfg.parallel.timeout_s) if launched else None
     device = mesh.device if mesh is not None else device
     rank0 = mesh is None or mesh.rank == 0
@@ -390,8 +395,6 @@ def train(cfg: RunConfig) -> dict:
         refuse_to_overwrite(cfg.log.run_dir, ckpt_dir, source=resume)  # another run's checkpoint
     if mesh is not None:
         dist.barrier()  # every rank has looked before rank 0 writes
-    if rank0:
-        save_run_config(cfg)
     refused = []
     if resume == "auto":
         path, refused = checkpoint.newest_valid(ckpt_dir)
@@ -431,6 +434,8 @@ def train(cfg: RunConfig) -> dict:
         checkpoint.verify_everywhere(cfg.checkpoint.init_from)  # before its trainer.json is read
         check_tokenizer_matches(cfg.checkpoint.init_from, train_ds, corpus_tokenizer)
         checkpoint.load_weights(cfg.checkpoint.init_from, model, verified=True)
+    if rank0:  # once every check has passed: a refused command writes nothing
+        save_run_config(cfg)
     log = RunLog(cfg.log.run_dir, cfg.train.steps, start, progress=cfg.log.progress,
                  tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb, wandb_project=cfg.log.wandb_project,
                  config=cfg.to_dict()) if rank0 else QuietLog()
