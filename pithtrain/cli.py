@@ -31,6 +31,9 @@ def print_summary(s: dict) -> None:
         print(f"throughput: {s['tokens_per_s']:,.0f} tokens/s")
     if s.get("skipped_steps"):
         print(f"skipped steps: {s['skipped_steps']}")
+    if s.get("paused_at"):
+        print(f"paused after step {s['paused_at']} (train.stop_at; checkpoint saved; resume with "
+              "checkpoint.resume=auto)")
     if s.get("preempted_at"):
         print(f"stopped by SIGTERM after step {s['preempted_at']} (checkpoint saved; resume with "
               "checkpoint.resume=auto)")
@@ -113,7 +116,9 @@ def cmd_demo(args) -> int:
                             val_fraction=0.02)
         print(f"  {meta['splits']['train']['tokens']:,} train / {meta['splits']['val']['tokens']:,} "
               f"validation tokens", flush=True)
-    if os.path.exists(run_dir):  # the demo's own output: each demo starts afresh
+    # its own output: each demo starts afresh; a log.run_dir of the user's is theirs, refused as `train`
+    # refuses a run directory that holds a run
+    if cfg.log.run_dir == os.path.abspath(run_dir) and os.path.exists(run_dir):
         print(f"removing the previous demo run {run_dir}", flush=True)
         shutil.rmtree(run_dir)
     summary = train(cfg)

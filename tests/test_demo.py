@@ -26,6 +26,13 @@ def test_demo_short(tmp_path):
     assert "removing the previous demo run" in again
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         assert [json.loads(line)["step"] for line in f] == [2]  # log.every = 10: only the last step
+    # a run directory of the user's is not the demo's own: neither it nor the demo's is removed
+    mine = ["demo", "--work-dir", str(tmp_path), "train.steps=1", "optim.warmup_steps=1", "log.progress=false",
+            f"log.run_dir={tmp_path}/mine"]
+    assert "removing" not in run_cli(*mine).stdout and os.path.isdir(run_dir)
+    proc = run_cli(*mine, check=False)
+    assert proc.returncode == 2 and "mine already holds a run" in proc.stderr, proc.stderr
+    assert os.path.isdir(os.path.join(tmp_path, "mine", "checkpoints", "step-00000001")) and os.path.isdir(run_dir)
 
 
 def test_demo_checks_its_overrides_before_building_the_corpus(tmp_path):

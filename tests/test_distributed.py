@@ -1,5 +1,6 @@
 """Every parallel layout against one process: torchrun starts N gloo processes (one thread each)
-running `pithtrain train`; three steps must give the single-process losses (1e-5 relative) and
+running `pithtrain train`, validating after each step; three steps must give the single-process losses,
+gradient norms (a validation's forward must not hide a parameter from clipping) and validation losses (1e-5 relative) and
 parameters (1e-5) of the same global batch. The single-process run uses micro-batches of
 micro_batch_size * dp * ep sequences: that is what one micro-batch of all data ranks together is.
 Also: deduplicated expert dispatch (row counts and numerics), resharding checkpoints across
@@ -48,6 +49,11 @@ def stored_model(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
+def metrics(run_dir: str) -> dict[int, dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return {r["step"]: r for r in map(json.loads, f)}
+
+
 def final_checkpoint(run_dir: str) -> str:
     return os.path.join(run_dir, "checkpoints", f"step-{STEPS:08d}")
 
@@ -58,7 +64,7 @@ def family_run(tmp_path, corpus: str, family: str) -> str:
     toml = write_run(tmp_path, corpus, f"steps = {STEPS}\ndevice = \"cpu\"\n[moe]\n{moe}")  # gloo, also on GPU hosts
     (tmp_path / "config.json").write_text(json.dumps(model))
     text = open(toml).read().replace("global_batch_size = 4", f"global_batch_size = {GLOBAL}")
-    open(toml, "w").write(text.replace("val_every = 4", "val_every = 0"))
+    open(toml, "w").write(text.replace("val_every = 4", "val_every = 1"))  # a forward alone before each step
     return toml
 
 
@@ -101,10 +107,11 @@ def test_layout_matches_single_process(tmp_path, tiny_corpus, reference, family,
     toml = family_run(tmp_path, tiny_corpus, family)
     torchrun(n, toml, *overrides)
     run = str(tmp_path / "run")
-    want, got = losses(ref), losses(run)
+    want, got = metrics(ref), metrics(run)
     assert sorted(got) == list(range(1, STEPS + 1))
-    for step in want:
-        assert got[step] == pytest.approx(want[step], rel=1e-5), (step, got[step], want[step])
+    for step in want:  # the gradients' norm too: clipping sees every parameter, also after validation
+        for key in ("loss", "grad_norm", "val_loss"):
+            assert got[step][key] == pytest.approx(want[step][key], rel=1e-5), (step, key, got[step], want[step])
     a, b = stored_model(final_checkpoint(ref)), stored_model(final_checkpoint(run))
     assert a.keys() == b.keys() and len(a) > 10
     for key in a:

@@ -326,6 +326,22 @@ def test_stop_at_saves_and_a_resume_follows_the_optim_config(tiny_corpus, tmp_pa
     assert len(seen) == 3 and seen[0] == [(0.5, (0.9, 0.9), 1e-6), (0.0, (0.9, 0.9), 1e-6)]
 
 
+def test_a_pause_logs_and_validates_as_an_uninterrupted_run(tiny_corpus, tmp_path):
+    """train.stop_at ends an invocation with a checkpoint and nothing else: metrics.jsonl of the run
+    paused and resumed holds the records (and val_loss) of the run that went straight through."""
+    toml = write_run(tmp_path, tiny_corpus)
+    common = ["train.steps=10", "optim.warmup_steps=1", "log.every=5", "data.val_every=0"]
+    train(load_config(toml, common + [f"log.run_dir={tmp_path}/whole"]))
+    paused = train(load_config(toml, common + [f"log.run_dir={tmp_path}/parts", "train.stop_at=3"]))
+    assert paused["paused_at"] == 3 and "train_loss" not in paused
+    train(load_config(toml, common + [f"log.run_dir={tmp_path}/parts", "checkpoint.resume=auto"]))
+    read = lambda name: [{k: v for k, v in json.loads(line).items() if k not in ("tokens_per_s", "step_time_s", "peak_mem_gb")}  # noqa: E731
+                         for line in open(tmp_path / name / "metrics.jsonl")]
+    whole = read("whole")
+    assert [r["step"] for r in whole] == [5, 10] and "val_loss" in whole[1] and "val_loss" not in whole[0]
+    assert read("parts") == whole
+
+
 def test_auto_resume_never_starts_over_on_unreadable_checkpoints(tiny_corpus, tmp_path):
     toml = write_run(tmp_path, tiny_corpus)
     train(load_config(toml, ["train.steps=2", "optim.warmup_steps=1"]))

@@ -186,7 +186,6 @@ def train_step(model: CausalLM, optimizer, micro_batches: list, grad_clip: float
     # Balancing losses: the single-process value weights micro-batch i by its share of the step's
     # targets, and its P by all its tokens; every rank holds as many of those, so 1/ranks of the share.
     shares = [count / n_tokens / ranks for count in counts]
-    params = list(model.parameters())  # all: a rank without gradients still needs the device of its all-reduce
     if graphs is not None and graphs.ready():
         loss_sum, losses, grad_norm = graphs.forward_backward(micro_batches, shares, inv_tokens, factor or 1.0)
     else:
@@ -202,6 +201,10 @@ def train_step(model: CausalLM, optimizer, micro_batches: list, grad_clip: float
             loss_sum += loss.detach()
             losses.append(loss.detach())
         replicas = mesh.layout.dp_replicate if mesh is not None else 1
+        # all (a rank without gradients still needs the device of its all-reduce), and taken after backward:
+        # FSDP has resharded every module by then, so these hold the gradients (a forward alone, as
+        # validation's, leaves the head and the root unsharded, their parameters swapped for others)
+        params = list(model.parameters())
         grad_norm, clip = clip_grad_norm(params, grad_clip, mesh.data_group if mesh is not None else None, replicas)
         graphs = None  # this step is eager throughout
     stop_requested = preemption is not None and preemption.flag
@@ -458,7 +461,7 @@ def train(cfg: RunConfig) -> dict:
     preempted = None
     last, tokens_since, t_since = {}, 0, time.perf_counter()
     run_tokens, run_time = 0, 0.0
-    record, first_loss = {}, None
+    record, first_loss, paused_at = {}, None, None
     end = cfg.train.stop_at or cfg.train.steps
     for step in range(start, end):
         lr = lr_at(step, cfg.train.steps, cfg.optim)
@@ -491,8 +494,9 @@ def train(cfg: RunConfig) -> dict:
                 preemption.uninstall()
         tokens_since += last["tokens"]
         is_last = done == end
-        validate = bool(val_batches) and (is_last or (d.val_every and done % d.val_every == 0))
-        if done % cfg.log.every == 0 or validate or is_last:
+        final = done == cfg.train.steps  # the run's last step; a pause (train.stop_at) logs as any other step
+        validate = bool(val_batches) and (final or (d.val_every and done % d.val_every == 0))
+        if done % cfg.log.every == 0 or validate or final:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             elapsed = time.perf_counter() - t_since
@@ -514,7 +518,8 @@ def train(cfg: RunConfig) -> dict:
         every = cfg.checkpoint.every
         stop = not is_last and last["stop"]
         paused = is_last and done < cfg.train.steps  # stop_at: always saved, to resume from
-        if (every and done % every == 0) or (is_last and cfg.checkpoint.save_final) or paused or stop:
+        paused_at = done if paused else None
+        if (every and done % every == 0) or (final and cfg.checkpoint.save_final) or paused or stop:
             t_save = time.perf_counter()
             log.sync()
             checkpoint.save(ckpt_dir, done, model, optimizer,
@@ -529,7 +534,7 @@ def train(cfg: RunConfig) -> dict:
     preemption.uninstall()
     log.close()
     summary = {"run_dir": cfg.log.run_dir, "steps": cfg.train.steps, "start_step": start, "preempted_at": preempted,
-               "skipped_steps": guard.skipped_total}
+               "paused_at": paused_at, "skipped_steps": guard.skipped_total}
     if record:
         summary.update(first_loss=first_loss, train_loss=record["loss"], val_loss=record.get("val_loss"),
                        tokens_per_s=run_tokens / run_time)
