@@ -352,3 +352,42 @@ def test_export_shards_stay_under_the_limit_and_dcp_options_belong_to_dcp_to_hf(
         hf.dcp_to_hf(path, str(tmp_path / "free-out"))
     proc = run_cli("convert", "hf-to-dcp", str(src), str(tmp_path / "dcp2"), "--dtype", "bf16", check=False)
     assert proc.returncode == 2 and "--dtype: dcp-to-hf options" in proc.stderr and not (tmp_path / "dcp2").exists()
+
+
+def test_exports_that_transformers_would_read_otherwise(tmp_path):
+    """A DeepSeek config with moe_layer_freq != 1 (transformers ignores the field) is not exported;
+    a bf16 export leaves the tensors transformers keeps in fp32 (DeepSeek-V3's router weight and
+    correction bias) as stored; a GPT-OSS cut with fewer layers than its layer_types exports one
+    type per layer and loads; a tokenizer's folder of chat templates travels both ways."""
+    def saved(cfg, name):
+        model = build_model(cfg)
+        return checkpoint.save(str(tmp_path / name), 1, model, torch.optim.AdamW(model.parameters()), {}, keep=1,
+                               hf_config=cfg)
+
+    from conftest import DEEPSEEK_V2, GPT_OSS
+
+    every_other = saved(dict(DEEPSEEK_V2, moe_layer_freq=2, num_hidden_layers=4), "freq")
+    with pytest.raises(CheckpointError, match="moe_layer_freq = 2, which transformers ignores"):
+        hf.dcp_to_hf(every_other, str(tmp_path / "freq-out"))
+    assert not (tmp_path / "freq-out").exists()
+
+    src = tmp_path / "hf"
+    save_hf("deepseek_v3", src)
+    tok = tmp_path / "tok"
+    (tok / "additional_chat_templates").mkdir(parents=True)
+    (tok / "tokenizer.json").write_text("{}")
+    (tok / "additional_chat_templates" / "tool_use.jinja").write_text("{{ tools }}")
+    hf.hf_to_dcp(str(src), str(tmp_path / "dcp"), tokenizer=str(tok))
+    checkpoint.verify(str(tmp_path / "dcp"), checksums=True)  # the folder's file is in the marker
+    hf.dcp_to_hf(str(tmp_path / "dcp"), str(tmp_path / "bf16"), dtype=torch.bfloat16)
+    assert (tmp_path / "bf16" / "additional_chat_templates" / "tool_use.jinja").read_text() == "{{ tools }}"
+    kept = {n: t.dtype for n, t in read_folder(tmp_path / "bf16").items()}
+    assert {n for n, d in kept.items() if d == torch.float32} == {
+        n for n in kept if n.endswith(("mlp.gate.weight", "e_score_correction_bias"))} != set()
+    assert all(d in (torch.float32, torch.bfloat16) for d in kept.values())
+    assert json.load(open(tmp_path / "bf16" / "config.json"))["dtype"] == "bfloat16"
+
+    cut = dict(GPT_OSS, num_hidden_layers=2)  # layer_types still lists 3
+    hf.dcp_to_hf(saved(cut, "gpt"), str(tmp_path / "gpt-out"))
+    assert json.load(open(tmp_path / "gpt-out" / "config.json"))["layer_types"] == GPT_OSS["layer_types"][:2]
+    transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "gpt-out"), dtype=torch.float32)

@@ -193,8 +193,9 @@ def _checksums(folder: str, names: list[str]) -> dict[str, str]:
 
 
 def finalize_dir(tmp: str, final: str, info: dict) -> None:
-    """Mark the finished directory `tmp` complete (each file's size and CRC-32) and move it to `final`."""
-    names = sorted(os.listdir(tmp))
+    """Mark the finished directory `tmp` complete (each file's size and CRC-32, also of files in its
+    folders, named by their path inside it) and move it to `final`."""
+    names = sorted(os.path.relpath(os.path.join(d, n), tmp) for d, _, files in os.walk(tmp) for n in files)
     crcs = _checksums(tmp, names)
     files = {n: {"bytes": os.path.getsize(os.path.join(tmp, n)), "crc32": crcs[n]} for n in names}
     _write_json(os.path.join(tmp, MARKER), {**info, "files": files})

@@ -9,8 +9,11 @@ model. Dtypes are kept as stored; MXFP4 experts (GPT-OSS) become bf16.
 
 `dcp_to_hf(ckpt, out)`: the reverse, from a converted or a training checkpoint, a group of
 tensors up to `max_shard_bytes` at a time (counted over the tensors written, one expert each):
-sharded safetensors, `model.safetensors.index.json`, config.json and tokenizer files, loadable by
-`transformers.AutoModelForCausalLM.from_pretrained`.
+sharded safetensors, `model.safetensors.index.json`, config.json and tokenizer files (with a
+folder of named chat templates), loadable by `transformers.AutoModelForCausalLM.from_pretrained`.
+A `dtype` casts every floating tensor but those transformers keeps in fp32 (`KEEP_AS_STORED`); a
+GPT-OSS cut of fewer layers than its `layer_types` exports the first ones; a DeepSeek config with
+`moe_layer_freq` != 1, which transformers ignores, is refused.
 
 Name mapping (ours = transformers' in-memory names):
 - everything but routed experts: same name;
@@ -42,7 +45,11 @@ from pithtrain.train.checkpoint import (CheckpointError, check_tensors, finalize
 
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json"]
+TOKENIZER_FOLDERS = ["additional_chat_templates"]  # transformers 5: one .jinja file per named chat template
 GENERATION_CONFIG = "generation_config.json"
+# Tensors that transformers keeps in fp32 whatever dtype the model loads in (its _keep_in_fp32_modules_strict):
+# an export cast to another dtype leaves them as stored
+KEEP_AS_STORED = {"deepseek_v2": ("mlp.gate.weight",), "deepseek_v3": ("mlp.gate.weight", "e_score_correction_bias")}
 ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
                  "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
@@ -289,7 +296,9 @@ def _settle(folder: str) -> None:
     os.chmod(folder, 0o777 & ~mask)
     for name in os.listdir(folder):
         path = os.path.join(folder, name)
-        if os.path.isfile(path):
+        if os.path.isdir(path):  # a tokenizer's folder of chat templates
+            _settle(path)
+        elif os.path.isfile(path):
             os.chmod(path, 0o666 & ~mask)
             fd = os.open(path, os.O_RDONLY)
             try:
@@ -312,6 +321,7 @@ def _extra_files(src: str, tokenizer: str | None) -> list[str]:
     hold some if given, and generation_config.json from `src` (else from `tokenizer`)."""
     folder = tokenizer or src
     found = [os.path.join(folder, n) for n in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))]
+    found += [os.path.join(folder, n) for n in TOKENIZER_FOLDERS if found and os.path.isdir(os.path.join(folder, n))]
     if tokenizer is not None and not found:
         raise CheckpointError(f"--tokenizer {tokenizer} is not a folder holding tokenizer files (looked for "
                               f"{', '.join(TOKENIZER_FILES)}); nothing was written")
@@ -322,7 +332,7 @@ def _extra_files(src: str, tokenizer: str | None) -> list[str]:
 
 def _copy_files(paths: list[str], dst: str) -> list[str]:
     for p in paths:
-        shutil.copy2(p, os.path.join(dst, os.path.basename(p)))
+        (shutil.copytree if os.path.isdir(p) else shutil.copy2)(p, os.path.join(dst, os.path.basename(p)))
     return [os.path.basename(p) for p in paths]
 
 
@@ -365,6 +375,10 @@ def check_against_config(ckpt: str, hf_config: dict) -> dict[str, tuple[tuple, t
                                   "untied); export with a config whose tie_word_embeddings is false to keep both")
         del have["lm_head.weight"]
     expected = expected_tensors(hf_config)
+    if hf_config.get("model_type") in ("deepseek_v2", "deepseek_v3") and hf_config.get("moe_layer_freq", 1) != 1:
+        raise CheckpointError(f"{ckpt}: its config has moe_layer_freq = {hf_config['moe_layer_freq']}, which "
+                              "transformers ignores (it puts experts on every layer from first_k_dense_replace on): "
+                              "the exported model would not be this one, so it is not exported")
     biases = sorted(n for n in have if n.endswith(".e_score_correction_bias") and n not in expected)
     if biases:
         raise CheckpointError(f"{ckpt}: its routers carry e_score_correction_bias ({biases[0]}, ...: trained with "
@@ -404,7 +418,9 @@ def dcp_to_hf(ckpt: str, out: str, hf_config: dict | None = None, tokenizer: str
     have = check_against_config(ckpt, hf_config)
     layout = {n: transposed for n, (_, transposed) in expected_tensors(hf_config).items()}
     names = list(layout)
-    out_dtype = {n: dtype if dtype is not None and have[n][1].is_floating_point else have[n][1] for n in names}
+    keep = KEEP_AS_STORED.get(hf_config.get("model_type"), ())
+    out_dtype = {n: dtype if dtype is not None and have[n][1].is_floating_point and not n.endswith(keep)
+                 else have[n][1] for n in names}
     shards, size = [[]], 0  # planned over the tensors written (one expert each), so no file outgrows the limit
     for n in names:
         meta = torch.empty(have[n][0], dtype=out_dtype[n], device="meta")
@@ -433,7 +449,7 @@ def dcp_to_hf(ckpt: str, out: str, hf_config: dict | None = None, tokenizer: str
                 total += t.numel() * t.element_size()
             save_file(tensors, os.path.join(tmp, file), metadata={"format": "pt"})
             del state, tensors
-        _write_hf_folder_rest(tmp, weight_map, total, hf_config, out_dtype)
+        _write_hf_folder_rest(tmp, weight_map, total, hf_config, out_dtype, dtype)
         copied = _copy_files(extra, tmp)
         _settle(tmp)
     except BaseException:
@@ -447,14 +463,17 @@ def dcp_to_hf(ckpt: str, out: str, hf_config: dict | None = None, tokenizer: str
     return {"shards": len(shards), "tensors": len(weight_map), "tokenizer_files": copied}
 
 
-def _write_hf_folder_rest(tmp: str, weight_map: dict, total: int, hf_config: dict, out_dtype: dict) -> None:
+def _write_hf_folder_rest(tmp: str, weight_map: dict, total: int, hf_config: dict, out_dtype: dict,
+                          dtype: torch.dtype | None) -> None:
     """The index and config.json of a Hugging Face folder."""
     with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
     config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
     config.setdefault("architectures", [ARCHITECTURES[config["model_type"]]])
+    if isinstance(config.get("layer_types"), list):  # a cut of a deeper model (fewer layers): transformers wants one each
+        config["layer_types"] = config["layer_types"][:config["num_hidden_layers"]]
     stored = {t for n, t in out_dtype.items() if t.is_floating_point}
-    if len(stored) == 1:
-        config["torch_dtype"] = config["dtype"] = str(stored.pop()).removeprefix("torch.")
+    if dtype is not None or len(stored) == 1:
+        config["torch_dtype"] = config["dtype"] = str(dtype or stored.pop()).removeprefix("torch.")
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
