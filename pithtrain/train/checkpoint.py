@@ -11,9 +11,10 @@ leaves the earlier checkpoints untouched and the partial one ignored (and remove
 start). When a run resumes from step S, checkpoints after S (a timeline abandoned by resuming an
 earlier checkpoint, or ones passed over as invalid), and when a save starts, those of its step or
 later, are renamed to `.abandoned-step-NNNNNNNN/` (kept, not resumed by `resume=auto`, never
-pruned); after a save, the newest `keep` checkpoints up to its step stay. Listing checks sizes; loading checks every CRC (rank 0 reads the
-files, the verdict goes to all ranks), so a truncated or corrupted checkpoint is refused with its
-path and file named, and `resume=auto` passes over it to the newest valid one (`newest_valid`).
+pruned); after a save, the newest `keep` checkpoints up to its step stay. Listing checks sizes;
+loading checks every CRC (rank 0 reads the files, the verdict goes to all ranks), so a truncated or
+corrupted checkpoint is refused with its path and file named, and `resume=auto` passes over it to
+the newest valid one (`newest_valid`).
 
 Resharding: every tensor is stored whole (DCP records each rank's piece of it), so a checkpoint
 loads into any layout. FSDP-sharded parameters are DTensors already; under expert parallelism a

@@ -22,23 +22,22 @@ aux-free bias update (`end_step`), the halt path's forward, validation and check
 Capture comes after `WARMUP` eager steps (regions compiled, kernels tuned, the optimizer's state
 made) and one forward and backward on the capture stream that changes nothing it keeps (lazy
 per-stream state, such as cuBLAS's workspace, is made outside the graph). Gradients are None at
-capture, so each replay writes them afresh as an eager step after `zero_grad` does; they live in
-the graphs' memory pool, and the allocated peak stays near the eager one (+0.06 GB measured).
-In fixed segments the device memory held is larger: the pool is the graphs' own, held beside the blocks that eager
-code (the eager steps before capture, validation's forward, checkpoints) allocates and frees,
-and in it the gradients sit beside the step's free transient where eagerly they take the memory
-of the activations that the backward frees: the pool starts empty, each activation takes a
-segment of its own size, and a gradient larger than every freed one (768 MiB for a Qwen3 layer's
-gate/up experts) takes a new segment. Qwen3 proxy: 30.8 GB reserved vs 26.3 eagerly, 33.1 once
-validation has run (its forward allocates outside the pool). In expandable segments the freed
-activations are one range that the gradients reuse: 26.4 GB at the training peak, as eagerly
-(H100, with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True set before the process started).
-So `StepGraphs` switches the caching allocator to expandable segments before its eager steps
-(`expandable_segments`), unless the environment names that option or another allocator backend
-(this switch from inside the process is not yet measured on a GPU; docs/performance.md).
-The memory estimate counts the fixed segments' case, an upper bound: the step as one that
-accumulates, plus validation's logits (33.0 GB here); an out-of-memory report names
-train.cuda_graphs=off first.
+capture, so each replay writes them afresh as an eager step after `zero_grad` does; they live in the
+graphs' memory pool, and the allocated peak stays near the eager one (+0.06 GB measured). In fixed
+segments the device memory held is larger: the pool is the graphs' own, held beside the blocks that
+eager code (the eager steps before capture, validation's forward, checkpoints) allocates and frees,
+and in it the gradients sit beside the step's free transient where eagerly they take the memory of
+the activations that the backward frees: the pool starts empty, each activation takes a segment of
+its own size, and a gradient larger than every freed one (768 MiB for a Qwen3 layer's gate/up
+experts) takes a new segment. Qwen3 proxy: 30.8 GB reserved vs 26.3 eagerly, 33.1 once validation
+has run (its forward allocates outside the pool). In expandable segments the freed activations are
+one range that the gradients reuse: 26.4 GB at the training peak, as eagerly (H100, with
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True set before the process started). So `StepGraphs`
+switches the caching allocator to expandable segments before its eager steps
+(`expandable_segments`), unless the environment names that option or another allocator backend (this
+switch from inside the process is not yet measured on a GPU; docs/performance.md). The memory
+estimate counts the fixed segments' case, an upper bound: the step as one that accumulates, plus
+validation's logits (33.0 GB here); an out-of-memory report names train.cuda_graphs=off first.
 The gradients read between replays are this step's. One process only (`train` refuses the
 others): FSDP, expert and context parallelism run collectives and host-side split sizes that a
 graph cannot hold.
