@@ -99,11 +99,15 @@ def cmd_convert(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    """Build the demo corpus (once) and train the tiny MoE on it."""
-    from pithtrain.parallel.mesh import process_rank
+    """Build the demo corpus (once) and train the tiny MoE on it, in one process."""
+    from pithtrain.parallel.mesh import world_size
     from pithtrain.train.corpus import DEMO, build_corpus
     from pithtrain.train.loop import train
 
+    if world_size() > 1:  # every process would build the corpus and remove the last run at once
+        raise ConfigError("`pithtrain demo` runs in one process; under torchrun, build the corpus with one `pithtrain "
+                          "demo` first, then launch `pithtrain train examples/demo/demo.toml data.corpus=runs/demo-corpus "
+                          "...` (AGENTS.md has the command)")
     corpus = os.path.join(args.work_dir, "demo-corpus")
     run_dir = os.path.join(args.work_dir, "demo-run")
     toml = os.path.join(EXAMPLES, "demo", "demo.toml")
@@ -121,9 +125,7 @@ def cmd_demo(args) -> int:
     if cfg.log.run_dir == os.path.abspath(run_dir) and os.path.exists(run_dir):
         print(f"removing the previous demo run {run_dir}", flush=True)
         shutil.rmtree(run_dir)
-    summary = train(cfg)
-    if process_rank() == 0:
-        print_summary(summary)
+    print_summary(train(cfg))
     return 0
 
 

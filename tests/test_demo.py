@@ -39,3 +39,7 @@ def test_demo_checks_its_overrides_before_building_the_corpus(tmp_path):
     proc = run_cli("demo", "--work-dir", str(tmp_path), "data.seqlen=3", check=False)
     assert proc.returncode == 2 and "unknown key data.seqlen" in proc.stderr, proc.stderr
     assert not os.path.exists(tmp_path / "demo-corpus")
+    launched = {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    proc = run_cli("demo", "--work-dir", str(tmp_path), env=launched, check=False)  # under torchrun: refused
+    assert proc.returncode == 2 and "runs in one process" in proc.stderr, proc.stderr
+    assert not os.path.exists(tmp_path / "demo-corpus")
