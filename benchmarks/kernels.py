@@ -177,6 +177,25 @@ def embedding_bench(tokens: int, vocab: int, hidden: int) -> dict:
     return out
 
 
+def ce_bench(rows: int, vocab: int) -> dict:
+    """The head's cross-entropy over one chunk of bf16 logits: the log-sum-exp pass and the gradient
+    pass (`ce_forward` + `ce_backward`, as the head runs them) against the two in one persistent
+    kernel (`ce_forward_backward`) at several program counts. GB/s counts one read and one write of
+    the logits: what a kernel that read each row from memory once would move."""
+    from pithtrain.ops import cross_entropy as ce
+
+    buf = (torch.randn(rows, vocab, device="cuda") * 4).to(torch.bfloat16)
+    labels = torch.randint(0, vocab, (rows,), device="cuda")
+    one = torch.ones((), device="cuda")
+    nbytes = 2 * buf.nbytes
+    out = {"two_passes_GBps": gbps(nbytes, lambda: ce.ce_backward(buf, ce.ce_forward(buf, labels, -100)[1], labels,
+                                                                   -100, one))}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for programs in (sms // 2, sms, 2 * sms, 4 * sms):
+        out[f"fused_{programs}_programs_GBps"] = gbps(nbytes, lambda: ce.ce_forward_backward(buf, labels, -100, programs))
+    return out
+
+
 def sweep() -> dict:
     """GB/s of each memory-bound kernel under several tiles (programs' rows x columns, warps), to
     choose the defaults in ops/swiglu.py, ops/permute.py and ops/adamw.py (AdamW, squares_sum) for this GPU."""
@@ -237,7 +256,7 @@ def main() -> None:
     p.add_argument("--json", default="")
     p.add_argument("--sweep", action="store_true", help="only the tile sweep of the memory-bound kernels")
     p.add_argument("--only", nargs="*", default=[], help="run only these groups (swiglu permute adamw_bf16 "
-                   "adamw_fp32 grad_norm grouped_mm attention_qwen3 embedding)")
+                   "adamw_fp32 grad_norm grouped_mm attention_qwen3 embedding ce)")
     args = p.parse_args()
     res = {"device": torch.cuda.get_device_name(), "ceilings": ceilings()}
     if args.sweep:
@@ -251,12 +270,13 @@ def main() -> None:
                "grad_norm": grad_norm_bench,
                "grouped_mm": lambda: grouped_mm_bench(args.tokens, 2048, 128, 8, 768),
                "attention_qwen3": lambda: attention_bench(2, 4096, 32, 4, 128),
-               "embedding": lambda: embedding_bench(args.tokens, 151936, 2048)}
+               "embedding": lambda: embedding_bench(args.tokens, 151936, 2048),
+               "ce": lambda: ce_bench(args.tokens, 151936)}
     for name, bench in benches.items():
         if not args.only or name in args.only:
             res[name] = bench()
     c = res["ceilings"]
-    for group in ("swiglu", "permute", "adamw_bf16", "adamw_fp32", "grad_norm", "embedding"):
+    for group in ("swiglu", "permute", "adamw_bf16", "adamw_fp32", "grad_norm", "embedding", "ce"):
         for key, val in list(res.get(group, {}).items()):
             if key.endswith("GBps"):
                 res[group][key.replace("GBps", "of_copy")] = val / c["copy_GBps"]

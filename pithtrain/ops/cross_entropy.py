@@ -77,6 +77,38 @@ if triton is not None:
 
 
     @triton.jit
+    def _ce_fused_kernel(logits_ptr, labels_ptr, loss_ptr, n_rows, V, ignore_index, BLOCK: tl.constexpr):
+        # Persistent: program p takes rows p, p + programs, ...; a row is read for its log-sum-exp
+        # and read again for its gradient while it may still be in L2 (programs x one row of bytes).
+        programs = tl.num_programs(0)
+        for i in range(0, tl.cdiv(n_rows, programs)):
+            row = tl.program_id(0).to(tl.int64) + i * programs
+            if row < n_rows:
+                base = logits_ptr + row * V
+                m = tl.full([BLOCK], -1e30, tl.float32)
+                s = tl.zeros([BLOCK], tl.float32)
+                for start in range(0, V, BLOCK):
+                    cols = start + tl.arange(0, BLOCK)
+                    x = tl.load(base + cols, mask=cols < V, other=-1e30).to(tl.float32)
+                    e = tl.exp(-tl.abs(x - m))
+                    s = tl.where(x > m, s * e + 1.0, s + e)
+                    m = tl.maximum(m, x)
+                big = tl.max(m, 0)
+                lse = big + tl.log(tl.sum(s * tl.exp(m - big), 0))
+                label = tl.load(labels_ptr + row)
+                valid = label != ignore_index
+                inside = (label >= 0) & (label < V)
+                picked = tl.load(base + tl.where(valid & inside, label, 0)).to(tl.float32)
+                tl.store(loss_ptr + row, tl.where(valid, tl.where(inside, lse - picked, float("nan")), 0.0))
+                target = tl.where(valid, label, 0)
+                keep = tl.where(valid, 1.0, 0.0)
+                for start in range(0, V, BLOCK):
+                    cols = start + tl.arange(0, BLOCK)
+                    x = tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32)
+                    g = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * keep
+                    tl.store(base + cols, g.to(logits_ptr.dtype.element_ty), mask=cols < V)
+
+    @triton.jit
     def _scale_kernel(x_ptr, s_ptr, out_ptr, n, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         s = tl.load(s_ptr).to(tl.float32)
@@ -129,6 +161,27 @@ def ce_forward(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int):
     _ce_forward_kernel[(logits.shape[0],)](logits.contiguous(), labels.contiguous(), loss, lse, logits.shape[1], ignore_index,
                                            BLOCK=2048, num_warps=8)
     return loss, lse
+
+
+def ce_forward_backward(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int,
+                        programs: int | None = None) -> torch.Tensor:
+    """`ce_forward`'s row losses, and `ce_backward`'s gradient at scale 1 written over `logits` (a
+    contiguous [n, V] buffer), in one kernel of `programs` persistent programs (default: one per
+    multiprocessor), each reading a row twice, the second time while it may still be in L2, where
+    the two passes read it from memory twice. Not yet used by the head: to be measured against the
+    two passes (`benchmarks/kernels.py --only ce`)."""
+    if not use_triton(logits) or logits.shape[0] == 0 or not logits.is_contiguous():
+        loss, lse = ce_forward_reference(logits, labels, ignore_index)
+        one = torch.ones((), device=logits.device)
+        logits.copy_(ce_backward_reference(logits, lse, labels, ignore_index, one))
+        return loss
+    n = logits.shape[0]
+    if programs is None:
+        programs = torch.cuda.get_device_properties(logits.device).multi_processor_count if logits.is_cuda else 4
+    loss = torch.empty(n, dtype=torch.float32, device=logits.device)
+    _ce_fused_kernel[(min(programs, n),)](logits, labels.contiguous(), loss, n, logits.shape[1], ignore_index,
+                                          BLOCK=2048, num_warps=8)
+    return loss
 
 
 def ce_backward(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, ignore_index: int,
