@@ -12,7 +12,9 @@ from conftest import DEEPSEEK_V2, DEEPSEEK_V3, GPT_OSS, QWEN3, YARN  # noqa: E40
 
 CASES = {
     "qwen3": QWEN3,
-    "qwen3-tied-unnormed": dict(QWEN3, tie_word_embeddings=True, norm_topk_prob=False),
+    "qwen3-tied-unnormed": dict(QWEN3, tie_word_embeddings=True, norm_topk_prob=False, pad_token_id=3),
+    # transformers moves a top-level original_max_position_embeddings into YaRN's parameters
+    "qwen3-yarn-top-level-original": dict(QWEN3, rope_scaling=dict(YARN), original_max_position_embeddings=8),
     "qwen3-sparse-step": dict(QWEN3, decoder_sparse_step=2, mlp_only_layers=[]),
     "deepseek_v2-greedy": DEEPSEEK_V2,
     "deepseek_v2-q_lora-group_limited": dict(DEEPSEEK_V2, q_lora_rank=10, topk_method="group_limited_greedy",
@@ -20,7 +22,7 @@ CASES = {
                                              attention_bias=True),
     "deepseek_v3": DEEPSEEK_V3,
     "deepseek_v3-half_split_rope": dict(DEEPSEEK_V3, rope_interleave=False),
-    "gpt_oss": GPT_OSS,
+    "gpt_oss": dict(GPT_OSS, pad_token_id=5),  # as the published configs: the pad row gets no gradient
     "gpt_oss-clamped": dict(GPT_OSS, swiglu_limit=0.5),  # the clamps of the SwiGLU bite
     # head_dim and rope_scaling left out: GptOssConfig's defaults (64, YaRN) even with rope_theta given
     "gpt_oss-defaults": {k: v for k, v in GPT_OSS.items() if k not in ("head_dim", "rope_scaling")},
@@ -65,6 +67,8 @@ def test_model_matches_transformers(case):
     assert any(l.is_moe for l in ours.model.layers.values())
 
     ids = torch.randint(0, cfg["vocab_size"], (2, 24))
+    if cfg.get("pad_token_id") is not None:  # the pad token among the inputs
+        ids[:, ::5] = cfg["pad_token_id"]
     labels = torch.randint(0, cfg["vocab_size"], (2, 24))
     labels[0, :3] = -100
     logits = ours(ids)
@@ -89,7 +93,12 @@ def test_model_matches_transformers(case):
                                         (dict(GPT_OSS, sliding_window=0), "sliding_window"),
                                         (dict(GPT_OSS, sliding_window=-3), "sliding_window"),
                                         (dict(GPT_OSS, sliding_window=2.5), "sliding_window"),
-                                        (dict(QWEN3, rope_scaling={"type": "yarn"}), "original_max_position_embeddings")])
+                                        (dict(QWEN3, rope_scaling={"type": "yarn"}), "original_max_position_embeddings"),
+                                        (dict(QWEN3, rope_scaling=dict(YARN), rope_parameters={"rope_theta": 1e6}),
+                                         "rope_scaling and rope_parameters"),
+                                        (dict(GPT_OSS, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+                                         "rope_scaling and rope_parameters"),
+                                        (dict(QWEN3, pad_token_id=97), "pad_token_id")])
 def test_fields_transformers_reads_otherwise_are_refused(cfg, field):
     """A field we would build differently from transformers is refused, never silently dropped."""
     with pytest.raises(ValueError, match=field):

@@ -1,7 +1,9 @@
 """Rotary position embedding: plain RoPE and YaRN, read from a Hugging Face config.
 
 `rope_parameters(hf)` gathers the RoPE fields of a config.json, old style (`rope_theta`,
-`rope_scaling` at the top level) or new style (`rope_parameters`). YaRN (arXiv 2309.00071)
+`rope_scaling` at the top level) or new style (`rope_parameters`), not both (transformers would
+drop `rope_parameters`); a top-level `original_max_position_embeddings` wins over YaRN's own, as
+in transformers. YaRN (arXiv 2309.00071)
 blends interpolated and original frequencies along a ramp between the dimensions that turn
 `beta_fast` and `beta_slow` times over the original context, and scales cos/sin by an attention
 factor: `attention_factor` if given, else mscale(factor, mscale) / mscale(factor, mscale_all_dim)
@@ -23,6 +25,9 @@ def rope_parameters(hf: dict) -> dict:
     if not isinstance(scaling, dict) or (scaling and not {"rope_type", "type"} & scaling.keys()):
         raise ValueError(f"rope_scaling = {scaling!r} must be a table that names its rope_type, e.g. "
                          "{rope_type = 'yarn', factor = 4.0, original_max_position_embeddings = 4096}")
+    if scaling and hf.get("rope_parameters"):  # transformers would take rope_scaling alone, theta included
+        raise ValueError("config.json has both rope_scaling and rope_parameters (transformers reads rope_scaling "
+                         "alone and drops rope_parameters, its rope_theta too): keep one of them")
     params = dict(hf.get("rope_parameters") or {})
     params.update(scaling)
     params.setdefault("rope_theta", hf.get("rope_theta"))
@@ -31,6 +36,8 @@ def rope_parameters(hf: dict) -> dict:
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
     if params["rope_type"] not in ("default", "yarn"):
         raise ValueError(f"rope type {params['rope_type']!r} is not supported; supported: 'default', 'yarn'")
+    if params["rope_type"] == "yarn" and hf.get("original_max_position_embeddings"):  # as transformers: the
+        params["original_max_position_embeddings"] = hf["original_max_position_embeddings"]  # top level wins
     return params
 
 

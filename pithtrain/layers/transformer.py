@@ -111,15 +111,16 @@ class Embedding(nn.Embedding):
     module, so FSDP gathers its weight as for any layer."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return embedding(ids, self.weight)
+        return embedding(ids, self.weight, self.padding_idx)
 
 
 class Backbone(nn.Module):
     """Embedding, decoder layers (keyed by global layer index) and final norm: HF's `model.*`."""
 
-    def __init__(self, vocab: int, hidden: int, layers: dict[int, DecoderLayer], eps: float):
+    def __init__(self, vocab: int, hidden: int, layers: dict[int, DecoderLayer], eps: float,
+                 pad_token_id: int | None = None):
         super().__init__()
-        self.embed_tokens = Embedding(vocab, hidden)
+        self.embed_tokens = Embedding(vocab, hidden, padding_idx=pad_token_id)
         self.layers = nn.ModuleDict({str(i): layer for i, layer in layers.items()})
         self.norm = RMSNorm(hidden, eps)
 
@@ -139,12 +140,14 @@ class CausalLM(nn.Module):
     """A decoder-only LM with Hugging Face parameter names (`model.layers.N...`, `lm_head`)."""
 
     def __init__(self, vocab: int, hidden: int, layers: dict[int, DecoderLayer], rope: RotaryEmbedding,
-                 *, eps: float, tie_embeddings: bool, init_std: float):
+                 *, eps: float, tie_embeddings: bool, init_std: float, pad_token_id: int | None = None):
         super().__init__()
+        if pad_token_id is not None and not -vocab <= pad_token_id < vocab:
+            raise ValueError(f"model.pad_token_id = {pad_token_id} lies outside the vocabulary (vocab_size {vocab})")
         self.vocab, self.init_std = vocab, init_std
         self.cp = None  # a parallel.context.ContextGroup: this rank holds two blocks of each sequence
         self.flex = True  # FlexAttention for masked attention on CUDA (False: SDPA with dense masks)
-        self.model = Backbone(vocab, hidden, layers, eps)
+        self.model = Backbone(vocab, hidden, layers, eps, pad_token_id)
         self.rotary_emb = rope
         self.lm_head = LMHead(hidden, vocab, bias=False)
         if tie_embeddings:
@@ -274,6 +277,8 @@ def init_weights(model: CausalLM, seed: int) -> None:
         else:
             gen = torch.Generator(full.device).manual_seed(_seed(seed, name))
             full.normal_(0.0, model.init_std, generator=gen)
+            if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+                full[module.padding_idx].zero_()  # as transformers initialises the pad token's row
         if isinstance(param, DTensor):
             local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
             param.to_local().copy_(local.to_local())

@@ -101,4 +101,5 @@ def build(hf: dict, balance: BalanceOptions, layer_ids: list[int] | None = None)
             mlp = SwiGLUMLP(H, c["intermediate_size"], bias=c["mlp_bias"])
         layers[i] = DecoderLayer(attn, mlp, H, eps)
     return CausalLM(c["vocab_size"], H, layers, RotaryEmbedding(rope_dim, rope, c["max_position_embeddings"]),
-                    eps=eps, tie_embeddings=c["tie_word_embeddings"], init_std=c["initializer_range"])
+                    eps=eps, tie_embeddings=c["tie_word_embeddings"], init_std=c["initializer_range"],
+                    pad_token_id=c.get("pad_token_id"))

@@ -34,10 +34,14 @@ def settings(hf: dict) -> dict:
     c = {**DEFAULTS, **hf}
     if "num_local_experts" not in hf and "num_experts" in hf:
         c["num_local_experts"] = hf["num_experts"]
-    # As GptOssConfig: the given rope_parameters, else an old-style rope_scaling (merged in by
-    # rope_parameters()), else the default YaRN; rope_theta from the top level, else 150000.
-    given = hf.get("rope_parameters") or ({} if hf.get("rope_scaling") else DEFAULTS["rope_parameters"])
-    c["rope_parameters"] = {"rope_theta": hf.get("rope_theta", 150000.0), **given}
+    # As GptOssConfig: the given rope_parameters, else an old-style rope_scaling (read by
+    # rope_parameters(), which refuses both at once), else the default YaRN; rope_theta from the top
+    # level, else 150000.
+    if hf.get("rope_scaling"):
+        c["rope_theta"], c["rope_parameters"] = hf.get("rope_theta", 150000.0), hf.get("rope_parameters")
+    else:
+        given = hf.get("rope_parameters") or DEFAULTS["rope_parameters"]
+        c["rope_parameters"] = {"rope_theta": hf.get("rope_theta", 150000.0), **given}
     missing = [k for k in REQUIRED if k not in c]
     if missing:
         raise ValueError(f"config.json of this GPT-OSS model lacks the fields {missing}")
@@ -74,4 +78,4 @@ def build(hf: dict, balance: BalanceOptions, layer_ids: list[int] | None = None)
         layers[i] = DecoderLayer(attn, MoEBlock(router, experts, balance, router_name="router"), H, eps)
     rope = RotaryEmbedding(head_dim, rope_parameters(c), c["max_position_embeddings"])
     return CausalLM(c["vocab_size"], H, layers, rope, eps=eps, tie_embeddings=c["tie_word_embeddings"],
-                    init_std=c["initializer_range"])
+                    init_std=c["initializer_range"], pad_token_id=c.get("pad_token_id"))

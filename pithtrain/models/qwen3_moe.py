@@ -54,4 +54,5 @@ def build(hf: dict, balance: BalanceOptions, layer_ids: list[int] | None = None)
         layers[i] = DecoderLayer(attn, mlp, H, eps)
     rope = RotaryEmbedding(head_dim, rope_parameters(c), c.get("max_position_embeddings", 32768))
     return CausalLM(c["vocab_size"], H, layers, rope, eps=eps,
-                    tie_embeddings=c["tie_word_embeddings"], init_std=c["initializer_range"])
+                    tie_embeddings=c["tie_word_embeddings"], init_std=c["initializer_range"],
+                    pad_token_id=c.get("pad_token_id"))

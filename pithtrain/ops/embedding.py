@@ -66,17 +66,21 @@ def embedding_backward(grad: torch.Tensor, ids: torch.Tensor, num: int, dtype: t
 
 class _Embedding(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ids, weight):
+    def forward(ctx, ids, weight, padding_idx):
         ctx.save_for_backward(ids)
-        ctx.num, ctx.dtype = weight.shape[0], weight.dtype
+        ctx.num, ctx.dtype, ctx.padding_idx = weight.shape[0], weight.dtype, padding_idx
         return F.embedding(ids, weight)
 
     @staticmethod
     def backward(ctx, grad):
         (ids,) = ctx.saved_tensors
-        return None, embedding_backward(grad.reshape(-1, grad.shape[-1]), ids.reshape(-1), ctx.num, ctx.dtype)
+        g = embedding_backward(grad.reshape(-1, grad.shape[-1]), ids.reshape(-1), ctx.num, ctx.dtype)
+        if ctx.padding_idx is not None:
+            g[ctx.padding_idx] = 0
+        return None, g, None
 
 
-def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """weight[ids] ([..., H]); the weight's gradient by `embedding_backward`."""
-    return _Embedding.apply(ids, weight)
+def embedding(ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None = None) -> torch.Tensor:
+    """weight[ids] ([..., H]); the weight's gradient by `embedding_backward`, zero in row
+    `padding_idx` (as nn.Embedding's: that row is not trained through the lookup)."""
+    return _Embedding.apply(ids, weight, padding_idx)
