@@ -258,6 +258,8 @@ def main() -> None:
                    "nvidia-smi while each protocol runs (off by default until its effect on the timing is measured)")
     p.add_argument("--profile", default="", help="also profile two steps of each: kernel table + trace in DIR/ours, DIR/hf")
     p.add_argument("--compile", choices=["on", "off"], default="on", help="torch.compile of our dense parts")
+    p.add_argument("--hf-compile", action="store_true", help="also torch.compile HF's model (default mode, graph "
+                   "breaks allowed), as a user of transformers may; the peer of the headline is eager transformers")
     p.add_argument("--recompute", choices=["none", "attention", "experts", "both"], default="none")
     p.add_argument("--weights", choices=["fp32", "bf16"], default="fp32",
                    help="ours with fp32 master weights under bf16 autocast (as pithtrain train runs), or bf16 weights "
@@ -328,10 +330,12 @@ def main() -> None:
         del state
         hopt = torch.optim.AdamW(hf.parameters(), lr=1e-4, fused=True)
         held = torch.cuda.memory_allocated() / 2**30  # when HF is measured: its weights and the batch, none of ours
+        run_hf = torch.compile(hf) if args.hf_compile else hf
 
         def step_hf(read_loss: bool = False):
-            logits = hf(input_ids=inputs, use_cache=False).logits
-            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+            # no name holds the bf16 logits: autograd keeps only the fp32 copy, as in transformers' own loss
+            loss = torch.nn.functional.cross_entropy(run_hf(input_ids=inputs, use_cache=False).logits.float()
+                                                     .flatten(0, 1), labels.flatten())
             loss.backward()
             if read_loss:
                 loss.item()
@@ -342,6 +346,7 @@ def main() -> None:
 
         results["hf"] = measure(step_hf, args, tokens, fpt, ceiling)
         results["hf"]["held_before_gb"] = held
+        results["hf"]["compiled"] = args.hf_compile
         if args.profile:
             profile(step_hf, os.path.join(args.profile, "hf"))
     if "ours" in results and "hf" in results:
