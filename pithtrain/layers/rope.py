@@ -36,8 +36,8 @@ def rope_parameters(hf: dict) -> dict:
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
     if params["rope_type"] not in ("default", "yarn"):
         raise ValueError(f"rope type {params['rope_type']!r} is not supported; supported: 'default', 'yarn'")
-    if params["rope_type"] == "yarn" and hf.get("original_max_position_embeddings"):  # as transformers: the
-        params["original_max_position_embeddings"] = hf["original_max_position_embeddings"]  # top level wins
+    if params["rope_type"] == "yarn" and hf.get("original_max_position_embeddings"):  # the top level wins,
+        params["original_max_position_embeddings"] = hf["original_max_position_embeddings"]  # as in transformers
     return params
 
 

@@ -75,7 +75,6 @@ if triton is not None:
             g = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * scale
             tl.store(base + cols, g.to(logits_ptr.dtype.element_ty), mask=cols < V)
 
-
     @triton.jit
     def _ce_fused_kernel(logits_ptr, labels_ptr, loss_ptr, n_rows, V, ignore_index, BLOCK: tl.constexpr):
         # Persistent: program p takes rows p, p + programs, ...; a row is read for its log-sum-exp
