@@ -28,7 +28,8 @@ def print_summary(s: dict) -> None:
     if "train_loss" in s:
         val = "n/a" if s.get("val_loss") is None else f"{s['val_loss']:.4f}"
         print(f"final train loss: {s['train_loss']:.4f}   validation loss: {val}")
-        print(f"throughput: {s['tokens_per_s']:,.0f} tokens/s")
+        print(f"throughput: {s['tokens_per_s']:,.0f} tokens/s (after the first logged interval, which compiles "
+              "and warms up, when there are others)")
     if s.get("skipped_steps"):
         print(f"skipped steps: {s['skipped_steps']}")
     if s.get("paused_at"):
@@ -105,9 +106,9 @@ def cmd_demo(args) -> int:
     from pithtrain.train.loop import train
 
     if world_size() > 1:  # every process would build the corpus and remove the last run at once
-        raise ConfigError("`pithtrain demo` runs in one process; under torchrun, build the corpus with one `pithtrain "
-                          "demo` first, then launch `pithtrain train examples/demo/demo.toml data.corpus=runs/demo-corpus "
-                          "...` (AGENTS.md has the command)")
+        raise ConfigError("`pithtrain demo` runs in one process; under torchrun, build the corpus with one "
+                          "`pithtrain demo` first, then launch `pithtrain train examples/demo/demo.toml "
+                          "data.corpus=runs/demo-corpus ...` (AGENTS.md has the command)")
     corpus = os.path.join(args.work_dir, "demo-corpus")
     run_dir = os.path.join(args.work_dir, "demo-run")
     toml = os.path.join(EXAMPLES, "demo", "demo.toml")

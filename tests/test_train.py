@@ -27,6 +27,10 @@ def test_training_learns_and_logs(tiny_corpus, tmp_path):
                 "aux_loss", "expert_load_imbalance"):
         assert key in rows[-1], key
     assert rows[-1]["expert_load_imbalance"] >= 1.0 and rows[-1]["aux_loss"] > 0
+    # the summary's throughput leaves out the first logged interval (compilation, warm-up)
+    later = rows[1:]
+    tokens, seconds = sum(r["tokens_per_s"] * r["step_time_s"] for r in later), sum(r["step_time_s"] for r in later)
+    assert summary["tokens_per_s"] == pytest.approx(tokens / seconds, rel=1e-6)
     vals = [r["val_loss"] for r in rows if "val_loss" in r]
     assert len(vals) == 10 and vals[-1] < vals[0]
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5

@@ -460,7 +460,8 @@ def train(cfg: RunConfig) -> dict:
     preemption = Preemption().install()
     preempted = None
     last, tokens_since, t_since = {}, 0, time.perf_counter()
-    run_tokens, run_time = 0, 0.0
+    run_tokens, run_time = 0, 0.0  # over the logged intervals after this invocation's first (compile, warm-up)
+    first_tokens, first_time = 0, 0.0
     record, first_loss, paused_at = {}, None, None
     end = cfg.train.stop_at or cfg.train.steps
     for step in range(start, end):
@@ -512,7 +513,10 @@ def train(cfg: RunConfig) -> dict:
                 record["val_loss"] = evaluate(model, val_batches, device, amp, mesh)
             log.record(record)
             first_loss = record["loss"] if first_loss is None else first_loss
-            run_tokens, run_time = run_tokens + tokens_since, run_time + elapsed
+            if first_time:
+                run_tokens, run_time = run_tokens + tokens_since, run_time + elapsed
+            else:
+                first_tokens, first_time = tokens_since, elapsed
             tokens_since, t_since = 0, time.perf_counter()  # validation time is not step time
         log.advance()
         every = cfg.checkpoint.every
@@ -537,7 +541,7 @@ def train(cfg: RunConfig) -> dict:
                "paused_at": paused_at, "skipped_steps": guard.skipped_total}
     if record:
         summary.update(first_loss=first_loss, train_loss=record["loss"], val_loss=record.get("val_loss"),
-                       tokens_per_s=run_tokens / run_time)
+                       tokens_per_s=run_tokens / run_time if run_time else first_tokens / first_time)
     metrics = os.path.join(cfg.log.run_dir, "metrics.jsonl")
     if mesh is not None:
         dist.barrier()
