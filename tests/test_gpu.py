@@ -553,7 +553,8 @@ def test_memory_estimate_under_cuda_graphs_is_close_to_what_the_device_holds():
     del graphs, m, opt
     gc.collect()
     torch.cuda.empty_cache()
-    torch._C._accelerator_setAllocatorSettings("expandable_segments:False")
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+    setter("expandable_segments:False")
 
 
 @pytest.mark.parametrize("extra", [[], ["data.document_mask=true", "optim.grad_clip=0.5", "data.global_batch_size=6",
