@@ -28,10 +28,16 @@ are `ce_forward_reference` / `ce_backward_reference`; the torch twin of the whol
 rather than a read outside the row.
 """
 
+import os
+
 import torch
 import torch.nn.functional as F
 
 from pithtrain.ops import triton, use_triton
+
+# PITHTRAIN_CE_FUSED=1: one chunk's loss and gradient in forward by `ce_forward_backward` (one kernel),
+# the incoming scale applied in backward to h before dW and to dh; off until measured faster
+FUSED_SINGLE = os.environ.get("PITHTRAIN_CE_FUSED") == "1"
 
 if triton is not None:
     import triton.language as tl
@@ -167,8 +173,8 @@ def ce_forward_backward(logits: torch.Tensor, labels: torch.Tensor, ignore_index
     """`ce_forward`'s row losses, and `ce_backward`'s gradient at scale 1 written over `logits` (a
     contiguous [n, V] buffer), in one kernel of `programs` persistent programs (default: one per
     multiprocessor), each reading a row twice, the second time while it may still be in L2, where
-    the two passes read it from memory twice. Not yet used by the head: to be measured against the
-    two passes (`benchmarks/kernels.py --only ce`)."""
+    the two passes read it from memory twice. The head uses it under PITHTRAIN_CE_FUSED=1 only,
+    until measured against the two passes (`benchmarks/kernels.py --only ce`)."""
     if not use_triton(logits) or logits.shape[0] == 0 or not logits.is_contiguous():
         loss, lse = ce_forward_reference(logits, labels, ignore_index)
         one = torch.ones((), device=logits.device)
@@ -205,6 +211,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         w = weight.to(dtype)
         ctx.single, ctx.ignore_index, ctx.weight_dtype = h.shape[0] <= chunk, ignore_index, weight.dtype
+        ctx.fused = ctx.single and FUSED_SINGLE and (want_h or want_w)
+        if ctx.fused:  # the gradient at scale 1 now, over the logits; the scale comes in backward
+            hc = h.to(dtype)
+            g = hc @ w.T
+            row_loss = ce_forward_backward(g, labels, ignore_index)
+            ctx.save_for_backward(g, hc, w)
+            ctx.h_dtype = h.dtype
+            return row_loss.sum()
         if ctx.single:  # the gradient pass waits for backward, which brings the scale
             hc = h.to(dtype)
             logits = hc @ w.T
@@ -236,6 +250,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.fused:
+            g, hc, w = ctx.saved_tensors
+            gh = scaled(g @ w, grad, ctx.h_dtype) if ctx.needs_input_grad[0] else None
+            gw = None
+            if ctx.needs_input_grad[1]:
+                hs = scaled(hc, grad, hc.dtype)
+                gw = (torch.mm(g.T, hs, out_dtype=ctx.weight_dtype) if g.is_cuda and g.dtype != ctx.weight_dtype
+                      else (g.T @ hs).to(ctx.weight_dtype))
+            return gh, gw, None, None, None, None
         if not ctx.single:
             grad_h, grad_w = ctx.saved_tensors
             gh = scaled(grad_h, grad, grad_h.dtype) if grad_h is not None else None
