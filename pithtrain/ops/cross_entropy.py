@@ -43,9 +43,8 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _ce_forward_kernel(logits_ptr, labels_ptr, loss_ptr, lse_ptr, V, ignore_index, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        base = logits_ptr + row.to(tl.int64) * V
+    def _row_loss(base, labels_ptr, loss_ptr, row, V, ignore_index, BLOCK: tl.constexpr):
+        """Store row `row`'s loss (logits at `base`); return its log-sum-exp."""
         # Per-lane running max and sum; lanes that only saw padding (-1e30) vanish in the final merge.
         # One exp per value: a new max rescales the old sum by exp(m - x) and adds 1, any other
         # value adds exp(x - m); both are exp(-|x - m|).
@@ -64,22 +63,32 @@ if triton is not None:
         inside = (label >= 0) & (label < V)  # a label outside the vocabulary: NaN loss, no stray read
         picked = tl.load(base + tl.where(valid & inside, label, 0)).to(tl.float32)
         tl.store(loss_ptr + row, tl.where(valid, tl.where(inside, lse - picked, float("nan")), 0.0))
+        return lse
+
+    @triton.jit
+    def _row_gradient(base, labels_ptr, row, lse, scale, V, ignore_index, BLOCK: tl.constexpr):
+        """Write (softmax - onehot(label)) * scale (0 on an ignored row) over row `row`'s logits."""
+        label = tl.load(labels_ptr + row)
+        valid = label != ignore_index
+        target = tl.where(valid, label, 0)
+        factor = tl.where(valid, scale, 0.0)
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32)
+            g = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * factor
+            tl.store(base + cols, g.to(base.dtype.element_ty), mask=cols < V)
+
+    @triton.jit
+    def _ce_forward_kernel(logits_ptr, labels_ptr, loss_ptr, lse_ptr, V, ignore_index, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        lse = _row_loss(logits_ptr + row.to(tl.int64) * V, labels_ptr, loss_ptr, row, V, ignore_index, BLOCK)
         tl.store(lse_ptr + row, lse)
 
     @triton.jit
     def _ce_backward_kernel(logits_ptr, labels_ptr, lse_ptr, scale_ptr, V, ignore_index, BLOCK: tl.constexpr):
         row = tl.program_id(0)
-        base = logits_ptr + row.to(tl.int64) * V
-        label = tl.load(labels_ptr + row)
-        valid = label != ignore_index
-        target = tl.where(valid, label, 0)
-        lse = tl.load(lse_ptr + row)
-        scale = tl.where(valid, tl.load(scale_ptr).to(tl.float32), 0.0)
-        for start in range(0, V, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            x = tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32)
-            g = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * scale
-            tl.store(base + cols, g.to(logits_ptr.dtype.element_ty), mask=cols < V)
+        _row_gradient(logits_ptr + row.to(tl.int64) * V, labels_ptr, row, tl.load(lse_ptr + row),
+                      tl.load(scale_ptr).to(tl.float32), V, ignore_index, BLOCK)
 
     @triton.jit
     def _ce_fused_kernel(logits_ptr, labels_ptr, loss_ptr, n_rows, V, ignore_index, BLOCK: tl.constexpr):
@@ -90,28 +99,8 @@ if triton is not None:
             row = tl.program_id(0).to(tl.int64) + i * programs
             if row < n_rows:
                 base = logits_ptr + row * V
-                m = tl.full([BLOCK], -1e30, tl.float32)
-                s = tl.zeros([BLOCK], tl.float32)
-                for start in range(0, V, BLOCK):
-                    cols = start + tl.arange(0, BLOCK)
-                    x = tl.load(base + cols, mask=cols < V, other=-1e30).to(tl.float32)
-                    e = tl.exp(-tl.abs(x - m))
-                    s = tl.where(x > m, s * e + 1.0, s + e)
-                    m = tl.maximum(m, x)
-                big = tl.max(m, 0)
-                lse = big + tl.log(tl.sum(s * tl.exp(m - big), 0))
-                label = tl.load(labels_ptr + row)
-                valid = label != ignore_index
-                inside = (label >= 0) & (label < V)
-                picked = tl.load(base + tl.where(valid & inside, label, 0)).to(tl.float32)
-                tl.store(loss_ptr + row, tl.where(valid, tl.where(inside, lse - picked, float("nan")), 0.0))
-                target = tl.where(valid, label, 0)
-                keep = tl.where(valid, 1.0, 0.0)
-                for start in range(0, V, BLOCK):
-                    cols = start + tl.arange(0, BLOCK)
-                    x = tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32)
-                    g = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * keep
-                    tl.store(base + cols, g.to(logits_ptr.dtype.element_ty), mask=cols < V)
+                lse = _row_loss(base, labels_ptr, loss_ptr, row, V, ignore_index, BLOCK)
+                _row_gradient(base, labels_ptr, row, lse, tl.full([], 1.0, tl.float32), V, ignore_index, BLOCK)
 
     @triton.jit
     def _scale_kernel(x_ptr, s_ptr, out_ptr, n, BLOCK: tl.constexpr):
