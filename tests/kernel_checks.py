@@ -18,6 +18,33 @@ from pithtrain.ops import swiglu as sw
 
 
 LAUNCHED: collections.Counter = collections.Counter()  # Triton kernel launches by kernel name
+SIGNATURES: set = set()  # (module, kernel, argument types, constexprs, num_warps) of every launch
+DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
+          torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
+
+
+def _signature(fn, args, kwargs) -> tuple:
+    """A launch's argument types as Triton's compiler names them, its constexprs and warps."""
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "grid", "warmup") if k in kwargs}
+    bound = inspect.Signature(list(params.values())).bind(*args, **kwargs).arguments
+    types, consts = [], []
+    for name, value in bound.items():
+        if "constexpr" in str(params[name].annotation) or value is None:  # None: a constexpr to Triton
+            consts.append((name, value))
+        elif isinstance(value, torch.Tensor):
+            types.append((name, "*" + DTYPES[value.dtype]))
+        elif isinstance(value, bool):
+            types.append((name, "i1"))
+        elif isinstance(value, int):
+            types.append((name, "i32" if -2**31 <= value < 2**31 else "i64"))
+        elif isinstance(value, float):
+            types.append((name, "fp32"))
+        else:
+            raise TypeError(f"{fn.__name__}: argument {name} of type {type(value).__name__} not recorded")
+    return fn.__module__, fn.__name__, tuple(types), tuple(consts), options.get("num_warps", 4)
 
 
 @contextlib.contextmanager
@@ -38,6 +65,7 @@ def counting_launches():
         def counted(self, *args, **kwargs):
             if not kwargs.get("warmup"):
                 LAUNCHED[self.fn.__name__] += 1
+                SIGNATURES.add(_signature(self.fn, args, dict(kwargs)))
             return run(self, *args, **kwargs)
         return counted
 
@@ -379,6 +407,31 @@ def run_all(device: str) -> None:
             check_embedding(device)
 
 
+def compile_for(signatures: list, arch: int = 90) -> list[str]:
+    """Compile each recorded launch (`SIGNATURES`, as JSON lists) for CUDA capability `arch` with
+    Triton's own compiler and ptxas, no GPU needed: the interpreter accepts code that the compiler
+    refuses (types, layouts, unsupported ops). Returns the kernels compiled."""
+    import importlib
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    done = []
+    for module, name, types, consts, warps in signatures:
+        fn = getattr(importlib.import_module(module), name)
+        sig = {**{n: t for n, t in types}, **{n: "constexpr" for n, _ in consts}}
+        sig = {n: sig[n] for n in fn.arg_names}
+        src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts})
+        compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+        done.append(name)
+    return done
+
+
 if __name__ == "__main__":
     run_all(sys.argv[1] if len(sys.argv) > 1 else "cpu")
+    if len(sys.argv) > 2:  # where to write the launches' signatures, for `compile_for`
+        import json
+
+        with open(sys.argv[2], "w") as f:
+            json.dump({"launched": sorted(LAUNCHED), "signatures": sorted(SIGNATURES, key=repr)}, f)
     print("kernel checks passed")

@@ -56,8 +56,11 @@ def test_bad_shapes_are_refused():
             f(torch.randn(3, 7))
 
 
-def test_triton_kernels_match_twins_in_the_interpreter():
-    """Every Triton kernel against its torch twin on CPU, run by the Triton interpreter."""
+def test_triton_kernels_match_twins_in_the_interpreter(tmp_path):
+    """Every Triton kernel against its torch twin on CPU, run by the Triton interpreter; then each
+    launch that ran (its argument types and constexprs) compiled for Hopper (sm_90) by Triton's
+    compiler, which refuses code the interpreter runs."""
+    import json
     import os
     import subprocess
     import sys
@@ -65,9 +68,19 @@ def test_triton_kernels_match_twins_in_the_interpreter():
     pytest.importorskip("triton")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, os.path.join(root, "tests", "kernel_checks.py"), "cpu"],
+    out = str(tmp_path / "signatures.json")
+    proc = subprocess.run([sys.executable, os.path.join(root, "tests", "kernel_checks.py"), "cpu", out],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0 and "kernel checks passed" in proc.stdout, proc.stdout + proc.stderr[-4000:]
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("this process interprets Triton: nothing to compile")
+    sys.path.insert(0, os.path.join(root, "tests"))
+    import kernel_checks
+
+    with open(out) as f:
+        record = json.load(f)
+    compiled = kernel_checks.compile_for(record["signatures"])
+    assert len(record["launched"]) >= 10 and sorted(set(compiled)) == record["launched"], (compiled, record["launched"])
 
 
 def test_activation_twins_on_cpu():
