@@ -315,7 +315,7 @@ def test_validation_batches(corpus):
     assert flat == [i for b in D.validation_batches(val, 4, 4, 2) for i in b] == list(range(8))  # any batch size
     assert len(D.validation_batches(val, 2, 4, 10**6)) == n // 4 * 2  # whole global batches only
     assert len(D.validation_batches(val, 1, n + 1, 1)) == n  # less than one global batch: the whole split
-    with pytest.raises(C.CorpusError, match="val_fraction"):
+    with pytest.raises(C.CorpusError, match="val-fraction.*data.val_batches = 0"):
         D.validation_batches(val, n + 1, n + 1, 1)
 
 
@@ -524,3 +524,68 @@ def test_a_tokenizer_worker_that_dies_is_a_corpus_error(tmp_path, tok_path, monk
     with pytest.raises(C.CorpusError, match="tokenizer worker process died.*fewer --workers"):
         C.build_corpus([write_jsonl(tmp_path / "a.jsonl", DOCS)], str(out), tok_path, workers=2)
     assert leftovers(out) == []
+
+
+def test_the_split_goes_by_content_not_position(tmp_path, tok_path):
+    """Copies of a document land in one split, and a file added in front moves no document between
+    the splits (the split hashes the seed and the document's tokens)."""
+    docs = DOCS + DOCS[6:26]  # 20 documents twice
+    one = write_jsonl(tmp_path / "one.jsonl", docs)
+    front = write_jsonl(tmp_path / "front.jsonl", [f"another text {i} about a cat" for i in range(30)])
+    C.build_corpus([one], str(tmp_path / "a"), tok_path, workers=1, val_fraction=0.3)
+    C.build_corpus([front, one], str(tmp_path / "b"), tok_path, workers=1, val_fraction=0.3)
+    a = {s: {tuple(d) for d in read_docs(str(tmp_path / "a"), s)} for s in ("train", "val")}
+    b = {s: {tuple(d) for d in read_docs(str(tmp_path / "b"), s)} for s in ("train", "val")}
+    assert a["val"] and a["train"] and not a["val"] & a["train"]  # no copy on both sides
+    assert a["val"] <= b["val"] and a["train"] <= b["train"]
+    C.build_corpus([one], str(tmp_path / "c"), tok_path, workers=1, val_fraction=0.3, seed=1)
+    assert {tuple(d) for d in read_docs(str(tmp_path / "c"), "val")} != a["val"]  # the seed still draws
+
+
+def test_a_stopped_build_or_replacement_is_cleaned_up_by_the_next(tmp_path, tok_path):
+    good = write_jsonl(tmp_path / "good.jsonl", DOCS)
+    out = tmp_path / "c"
+    out.mkdir()
+    (out / ".tmp-999999999").mkdir()  # a killed build's temporary directory (no such process)
+    (out / ".tmp-999999999" / "train.bin").write_bytes(b"\0")
+    C.build_corpus([good], str(out), tok_path, workers=1)
+    assert sorted(os.listdir(out)) == sorted(C.CORPUS_FILES)
+    (out / "meta.json").unlink()  # a replacement stopped after removing the old meta.json
+    with pytest.raises(C.CorpusError, match="files of a corpus whose build was stopped.*--overwrite"):
+        C.build_corpus([good], str(out), tok_path, workers=1)
+    with pytest.raises(C.CorpusError, match="meta.json"):
+        D.PackedDataset(str(out), "train", 8)  # no run reads it
+    C.build_corpus([good], str(out), tok_path, workers=1, overwrite=True)
+    assert sorted(os.listdir(out)) == sorted(C.CORPUS_FILES)
+    (out / "NOTES.txt").write_text("notes")
+    (out / "meta.json").unlink()  # not a half-replaced corpus once it holds other files
+    with pytest.raises(C.CorpusError, match="not an empty directory"):
+        C.build_corpus([good], str(out), tok_path, workers=1, overwrite=True)
+    assert (out / "NOTES.txt").exists()
+
+
+def test_ndjson_and_a_json_lines_file_of_only_a_byte_order_mark(tmp_path, tok_path, caplog):
+    nd = write_jsonl(tmp_path / "a.ndjson", DOCS)
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf\n")
+    with caplog.at_level(logging.WARNING):
+        C.build_corpus([nd, str(tmp_path / "bom.jsonl")], str(tmp_path / "c"), tok_path, workers=1)
+    assert sorted(decoded_docs(str(tmp_path / "c"))) == sorted(DOCS)
+    assert "bom.jsonl" in caplog.text
+
+
+def test_a_damaged_index_or_meta_is_a_corpus_error(corpus, tmp_path):
+    import shutil
+
+    bad = str(tmp_path / "bad")
+    shutil.copytree(corpus, bad)
+    idx = np.load(os.path.join(bad, "train.idx.npy"))
+    idx[2], idx[3] = idx[3], idx[2]  # same length and last offset, no longer rising
+    np.save(os.path.join(bad, "train.idx.npy"), idx)
+    with pytest.raises(C.CorpusError, match="train.idx.npy: the document offsets .* rebuild"):
+        D.PackedDataset(bad, "train", 8)
+    meta = json.load(open(os.path.join(corpus, "meta.json")))
+    del meta["eos_id"]
+    with open(os.path.join(bad, "meta.json"), "w") as f:
+        json.dump(meta, f)
+    with pytest.raises(C.CorpusError, match="meta.json: unreadable.*eos_id.*rebuild"):
+        D.PackedDataset(bad, "val", 8)

@@ -194,10 +194,10 @@ def _zst_lines(path: str) -> Iterator[bytes]:
 def _json_lines(path: str, lines: Iterable[bytes], text_key: str) -> Iterator[str]:
     """Documents of a JSON-lines stream: the string ``text_key`` of each JSON object."""
     for lineno, raw in enumerate(lines, 1):
-        if not raw.strip():
+        bom = len(BOM) if lineno == 1 and raw.startswith(BOM) else 0  # a byte-order mark is not text
+        if not raw[bom:].strip():
             continue
         where = f"{path}: line {lineno}"
-        bom = len(BOM) if lineno == 1 and raw.startswith(BOM) else 0  # a byte-order mark is not text
         try:
             line = raw[bom:].decode("utf-8")
         except UnicodeDecodeError as e:
@@ -277,13 +277,13 @@ def _parquet(path: str, text_key: str) -> Iterator[str]:
 
 
 def _read_documents(path: str, text_key: str) -> Iterator[str]:
-    """Documents of one file, by name: *.jsonl/*.json, *.parquet, else plain text; *.zst decompressed first."""
+    """Documents of one file, by name: *.jsonl/*.ndjson/*.json, *.parquet, else plain text; *.zst decompressed first."""
     name = path.lower()
     zst = name.endswith(".zst")
     try:
         if name.endswith(".parquet"):
             yield from _parquet(path, text_key)
-        elif name.removesuffix(".zst").endswith((".jsonl", ".json")):
+        elif name.removesuffix(".zst").endswith((".jsonl", ".ndjson", ".json")):
             if zst:
                 yield from _json_lines(path, _zst_lines(path), text_key)
             else:
@@ -337,9 +337,11 @@ def _worker_encode(texts: list[str]) -> tuple[np.ndarray, list[int]]:
     return _worker_encoder(texts)
 
 
-def _is_val(seed: int, index: int, val_fraction: float) -> bool:
-    """Deterministic document-level split: hash (seed, global document index) into [0, 1)."""
-    h = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+def _is_val(seed: int, tokens: np.ndarray, val_fraction: float) -> bool:
+    """Deterministic document-level split: hash (seed, the document's token ids) into [0, 1). By content,
+    not position: copies of a document land in the same split, and adding or reordering inputs moves
+    no document between the splits."""
+    h = hashlib.blake2b(tokens.astype(np.int64).tobytes(), digest_size=8, key=str(seed).encode()).digest()
     return int.from_bytes(h, "little") / 2.0**64 < val_fraction
 
 
@@ -382,8 +384,10 @@ def build_corpus(inputs: list[str], out_dir: str, tokenizer: str | None, *, text
     for the standard-library demo text.
     ``tokenizer`` None trains a byte-level BPE tokenizer of ``demo_vocab_size`` tokens on the inputs.
     Everything is written to a temporary directory whose files become ``out_dir``'s only when complete (a new
-    ``out_dir`` is renamed into place; into an existing one the files are moved, ``meta.json`` last), so an error
-    leaves nothing behind.  ``overwrite`` allows replacing a previous corpus (never other files).
+    ``out_dir`` is renamed into place; into an existing one the files are moved, the old ``meta.json`` removed first
+    and the new one moved last), so an error leaves nothing behind, or, if it stops the moves, a corpus without
+    ``meta.json`` that no run reads and ``overwrite`` replaces; a killed build's ``.tmp-PID`` is removed by the
+    next.  ``overwrite`` allows replacing a previous corpus (never other files).
     """
     if not 0.0 <= val_fraction < 1.0:
         raise CorpusError(f"val_fraction {val_fraction} must be in [0, 1)")
@@ -391,16 +395,25 @@ def build_corpus(inputs: list[str], out_dir: str, tokenizer: str | None, *, text
         raise CorpusError(f"workers = {workers}: give 1 or more tokenizer processes (--workers)")
     out_dir = os.path.abspath(out_dir)  # "." has no name to make a sibling of; messages say where
     existing = os.listdir(out_dir) if os.path.isdir(out_dir) else None
-    if not os.path.exists(out_dir) and (why := unwritable(out_dir)):
-        raise CorpusError(f"output {out_dir} cannot be made ({why}); pass another output directory")
+    if existing:  # the temporary directories of builds that were killed: ours to remove
+        for name in [n for n in existing if _stale_tmp(n)]:
+            logger.warning("removing %s, left by a build that was stopped", os.path.join(out_dir, name))
+            shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+            existing.remove(name)
     if os.path.exists(out_dir) and existing is None:
         raise CorpusError(f"output {out_dir} exists and is not a directory; pass a new output directory")
+    if why := unwritable(out_dir):
+        raise CorpusError(f"output {out_dir} cannot be {'written' if existing is not None else 'made'} ({why}); "
+                          "pass another output directory")
     if existing:
-        if not _is_corpus(out_dir):
+        # a corpus whose replacement was stopped: its files and no meta.json (removed first, written last)
+        half = "meta.json" not in existing and not set(existing) - set(CORPUS_FILES)
+        if not _is_corpus(out_dir) and not half:
             raise CorpusError(f"output {out_dir} exists and is not an empty directory (nor a corpus): it holds "
                               f"{sorted(existing)[:10]}; pass a new or empty output directory")
         if not overwrite:
-            raise CorpusError(f"output {out_dir} already holds a corpus; pass a new output directory "
+            what = "the files of a corpus whose build was stopped" if half else "a corpus"
+            raise CorpusError(f"output {out_dir} already holds {what}; pass a new output directory "
                               "(or overwrite=True / --overwrite to replace it)")
         if extra := sorted(set(existing) - set(CORPUS_FILES)):
             raise CorpusError(f"output {out_dir} holds a corpus and other files {extra[:10]}, which overwriting "
@@ -440,7 +453,7 @@ def build_corpus(inputs: list[str], out_dir: str, tokenizer: str | None, *, text
         if existing is None:
             os.replace(tmp, out_dir)
         else:
-            if existing:
+            if "meta.json" in existing:
                 os.remove(os.path.join(out_dir, "meta.json"))  # the old corpus is incomplete from here on
             for name in sorted(os.listdir(tmp), key=lambda n: n == "meta.json"):  # meta.json marks it complete
                 os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
@@ -450,6 +463,20 @@ def build_corpus(inputs: list[str], out_dir: str, tokenizer: str | None, *, text
         raise
     logger.info("corpus written to %s: %s", out_dir, meta["splits"])
     return meta
+
+
+def _stale_tmp(name: str) -> bool:
+    """Whether ``name`` is the temporary directory (``.tmp-PID``) of a build whose process is gone."""
+    pid = name.removeprefix(".tmp-")
+    if name == pid or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, another user's
+        pass
+    return False
 
 
 def _is_corpus(directory: str) -> bool:
@@ -503,7 +530,7 @@ def _build(sources, tmp, tokenizer, val_fraction, workers, eos_token, skip_bad_f
     known_bad = {i for i, _ in skipped}
     writers = {s: _SplitWriter(tmp, s, dtype) for s in ("train", "val")}
     doc_count: dict[int, int] = {}  # source index -> documents written
-    state = {"file": -1, "start": (0, 0, 0), "doc": 0}  # last file written, (train docs, val docs, doc) before it
+    state = {"file": -1, "start": (0, 0)}  # last file written, (train docs, val docs) before it
 
     def tasks() -> Iterator[tuple[str, object, object]]:
         """("docs", source indices, texts) batches (small files share one), ("empty", i, None), ("bad", i, error)."""
@@ -539,13 +566,13 @@ def _build(sources, tmp, tokenizer, val_fraction, workers, eos_token, skip_bad_f
             tokens, lengths = payload
             for f, end, n in zip(i, np.cumsum(lengths).tolist(), lengths, strict=True):
                 if f != state["file"]:
-                    state["file"], state["start"] = f, (writers["train"].n_docs, writers["val"].n_docs, state["doc"])
-                writers["val" if _is_val(seed, state["doc"], val_fraction) else "train"].add(tokens[end - n : end])
-                state["doc"] += 1
+                    state["file"], state["start"] = f, (writers["train"].n_docs, writers["val"].n_docs)
+                doc = tokens[end - n : end]
+                writers["val" if _is_val(seed, doc, val_fraction) else "train"].add(doc)
                 doc_count[f] = doc_count.get(f, 0) + 1
         elif kind == "bad":
             if state["file"] == i:
-                n_train, n_val, state["doc"] = state["start"]
+                n_train, n_val = state["start"]
                 writers["train"].truncate(n_train)
                 writers["val"].truncate(n_val)
                 state["file"] = -1
@@ -607,8 +634,8 @@ def _build(sources, tmp, tokenizer, val_fraction, workers, eos_token, skip_bad_f
 def add_build_corpus_args(parser: argparse.ArgumentParser) -> None:
     """Arguments of `pithtrain build-corpus`."""
     add = parser.add_argument
-    add("inputs", nargs="+", help="files, directories or glob patterns (*.jsonl, *.jsonl.zst, *.parquet, "
-        "plain text); 'demo' for the Python standard library sources")
+    add("inputs", nargs="+", help="files, directories or glob patterns (*.jsonl / *.ndjson / *.json, *.zst of "
+        "them, *.parquet, plain text); 'demo' for the Python standard library sources")
     add("--out", required=True, help="output corpus directory (new or empty)")
     add("--tokenizer", default=None, help="tokenizer.json or a directory holding one (default: train a demo BPE)")
     add("--text-key", default="text", help="JSON key / Parquet column holding the text (default: text)")

@@ -31,19 +31,21 @@ class PackedDataset:
             with open(meta_path) as f:
                 meta = json.load(f)
             fmt, splits = meta.get("format"), meta["splits"]
-        except (OSError, ValueError, KeyError, AttributeError) as e:
+            if fmt != FORMAT or meta.get("dtype") not in ("uint16", "uint32"):
+                raise CorpusError(f"{meta_path}: corpus format {fmt!r} / dtype {meta.get('dtype')!r} is not "
+                                  f"format {FORMAT} uint16/uint32; rebuild the corpus with this version")
+            if split not in splits:
+                raise CorpusError(f"{meta_path}: no split {split!r} (splits: {sorted(splits)})")
+            self.vocab_size, self.eos_id = int(meta["vocab_size"]), int(meta["eos_id"])
+            self.n_tokens, n_docs = int(splits[split]["tokens"]), int(splits[split]["docs"])
+        except CorpusError:
+            raise
+        except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:
             raise CorpusError(f"{meta_path}: unreadable ({e!r}); rebuild the corpus") from e
-        if fmt != FORMAT or meta.get("dtype") not in ("uint16", "uint32"):
-            raise CorpusError(f"{meta_path}: corpus format {fmt!r} / dtype {meta.get('dtype')!r} is not format "
-                              f"{FORMAT} uint16/uint32; rebuild the corpus with this version")
-        if split not in splits:
-            raise CorpusError(f"{meta_path}: no split {split!r} (splits: {sorted(splits)})")
         if seq_len < 1:
             raise CorpusError(f"seq_len must be at least 1, got {seq_len}")
         self.meta, self.split, self.seq_len = meta, split, seq_len
-        self.vocab_size, self.eos_id = int(meta["vocab_size"]), int(meta["eos_id"])
         self.tokenizer_path = os.path.join(corpus_dir, "tokenizer.json")
-        self.n_tokens, n_docs = int(splits[split]["tokens"]), int(splits[split]["docs"])
         dtype = np.dtype(meta["dtype"])
         bin_path = os.path.join(corpus_dir, f"{split}.bin")
         size = os.path.getsize(bin_path) if os.path.isfile(bin_path) else None
@@ -59,6 +61,9 @@ class PackedDataset:
         if self.offsets.shape != (n_docs + 1,) or int(self.offsets[-1]) != self.n_tokens:
             raise CorpusError(f"{idx_path}: {len(self.offsets)} offsets do not match meta.json's {n_docs} docs and "
                               f"{self.n_tokens} tokens; rebuild the corpus")
+        if int(self.offsets[0]) != 0 or (np.diff(self.offsets) < 0).any():  # document masks would come out wrong
+            raise CorpusError(f"{idx_path}: the document offsets do not start at 0 and rise; the file is damaged: "
+                              "rebuild the corpus")
         self.tokens = np.memmap(bin_path, dtype=dtype, mode="r") if self.n_tokens else np.zeros(0, dtype)
 
     def __len__(self) -> int:
@@ -182,7 +187,8 @@ def validation_batches(dataset: PackedDataset, batch_size: int, global_batch: in
     n = len(dataset)
     if n < batch_size:
         raise CorpusError(f"the {dataset.split} split has {n} windows of seq_len {dataset.seq_len}, fewer than one "
-                          f"batch of {batch_size}; lower the batch size or data.seq_len, or rebuild the corpus "
-                          "with a larger val_fraction")
+                          f"batch of {batch_size} (data.micro_batch_size x data ranks); lower data.micro_batch_size "
+                          "or data.seq_len, rebuild the corpus with a larger --val-fraction, or set "
+                          "data.val_batches = 0 to train without validation")
     windows = min(n_global, n // global_batch) * global_batch or n
     return [list(range(b * batch_size, (b + 1) * batch_size)) for b in range(windows // batch_size)]
