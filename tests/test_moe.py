@@ -182,3 +182,9 @@ def test_ring_attention_block_math_matches_attend(heads, kv_heads, dim, v_dim, w
     want = torch.autograd.grad((ref * g).sum(), inputs)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as the training forward runs; backward outside it
+        under = ring_attention(q, k, v, ContextGroup(None, 1, 0), scale=scale, window=window, sinks=s)
+    torch.testing.assert_close(under.transpose(1, 2).reshape(B, S, -1), ref, rtol=1e-5, atol=1e-5)
+    got = torch.autograd.grad((under.transpose(1, 2).reshape(B, S, -1) * g).sum(), inputs)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

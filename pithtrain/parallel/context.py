@@ -22,7 +22,8 @@ without expanding K/V (the query heads of a group are stacked along the query ax
 unchanged (its value size may differ from its key size). Sinks (GPT-OSS) join after the ring:
 the sink logit is one more term of the LSE, and autograd takes it from there.
 
-The block math is plain PyTorch in fp32 (CPU and GPU alike); a fused kernel can replace
+The block math is plain PyTorch in fp32 (CPU and GPU alike; autocast off inside it, as forward
+and backward must agree); a fused kernel can replace
 `_block_forward` / `_block_backward` without touching the ring. A group of size 1 (no
 communication) runs the same math on the whole sequence: the tests compare it with `attend`.
 """
@@ -223,8 +224,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Contex
                    window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's two blocks against the whole sequence.
     q [B, Hq, 2c, D], k [B, Hk, 2c, D], v [B, Hk, 2c, Dv] -> [B, Hq, 2c, Dv]."""
-    out, lse = _RingAttention.apply(q, k, v, cp, scale, window)
-    if sinks is None:
-        return out
-    total = torch.logaddexp(lse, sinks.float()[None, :, None])  # the sink is one more softmax term
-    return (out.float() * torch.exp(lse - total)[..., None]).to(q.dtype)
+    # Autocast (the training forward) would cast the fp32 block matmuls back to bf16 in forward but not
+    # in backward, which runs outside it: off here, so both passes do the same fp32 math.
+    with torch.autocast(q.device.type, enabled=False):
+        out, lse = _RingAttention.apply(q, k, v, cp, scale, window)
+        if sinks is None:
+            return out
+        total = torch.logaddexp(lse, sinks.float()[None, :, None])  # the sink is one more softmax term
+        return (out.float() * torch.exp(lse - total)[..., None]).to(q.dtype)
