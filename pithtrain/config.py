@@ -323,6 +323,11 @@ def check_model(hf: dict, path: str) -> None:
             build_model(hf)
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"model ({path} with its model.* overrides): {e}") from None
+    if hf.get("output_router_logits"):  # under it, transformers trains with its own balancing loss
+        raise ConfigError(f"model.output_router_logits = true ({path}): transformers then adds router_aux_loss_coef "
+                          "x its load-balancing loss to the training loss, which this library does not read; set it "
+                          "to false (model.output_router_logits=false) and choose the balancing loss with "
+                          "moe.aux_loss / moe.aux_loss_coef")
 
 
 def validate(cfg: RunConfig) -> None:

@@ -108,6 +108,7 @@ def test_missing_model_config(tmp_path):
     ("decoder_sparse_step", 0, "model.decoder_sparse_step = 0 must be a positive integer"),
     ("head_dim", 9, "the rotary dimension 9 is odd"),
     ("initializer_range", -0.02, "model.initializer_range = -0.02 must be a number of at least 0"),
+    ("output_router_logits", True, "output_router_logits = true .* moe.aux_loss / moe.aux_loss_coef"),
 ])
 def test_bad_model_config_is_a_config_error(tmp_path, field, value, message):
     path = tmp_path / "config.json"

@@ -257,6 +257,12 @@ def test_deepseek_without_shared_experts_round_trips(tmp_path):
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
     with torch.no_grad():
         assert rel(back(ids).logits, theirs(ids).logits) < 1e-5
+    # trained shared experts under a config.json that says none: named, never dropped
+    hf_model(dict(CASES["deepseek_v3"], n_shared_experts=1)).save_pretrained(tmp_path / "edited")
+    (tmp_path / "edited" / "config.json").write_text(json.dumps(
+        {**json.loads((tmp_path / "edited" / "config.json").read_text()), "n_shared_experts": 0}))
+    with pytest.raises(CheckpointError, match=r"unexpected tensors .*shared_experts"):
+        hf.hf_to_dcp(str(tmp_path / "edited"), str(tmp_path / "dcp2"))
 
 
 def write_hub(folder, cfg, tweak=lambda tensors: None, file="model.safetensors"):

@@ -192,11 +192,11 @@ def _source(name: str, want: tuple, hf: SafetensorsFolder, transposed: bool) -> 
     return _Source(names, shape, hf.dtype(names[0]), stacked)
 
 
-def _ignored(name: str, hf_config: dict) -> bool:
+def _ignored(name: str, hf_config: dict, hf: SafetensorsFolder) -> bool:
     if name.endswith("rotary_emb.inv_freq"):
         return True
-    if ".mlp.shared_experts." in name and not hf_config.get("n_shared_experts", 1):
-        return True  # DeepSeek without shared experts: transformers saves them zero-width
+    if ".mlp.shared_experts." in name and not hf_config.get("n_shared_experts", 1) and 0 in hf.shape(name):
+        return True  # DeepSeek without shared experts: transformers saves them zero-width (others: unexpected)
     m = re.match(r"^model\.layers\.(\d+)\.", name)
     return hf_config.get("model_type") == "deepseek_v3" and m is not None and \
         int(m.group(1)) >= hf_config["num_hidden_layers"]
@@ -261,7 +261,7 @@ def plan_import(src: str, hf_config: dict) -> dict[str, _Source]:
         raise CheckpointError(f"{src}: config.json ties the head to the embedding (tie_word_embeddings) but the "
                               "folder's lm_head.weight differs from model.embed_tokens.weight; set "
                               "tie_word_embeddings to false in config.json to keep both")
-    unexpected = sorted(n for n in hf.files if n not in used and not _ignored(n, hf_config)
+    unexpected = sorted(n for n in hf.files if n not in used and not _ignored(n, hf_config, hf)
                         and not (tied_head and n == "lm_head.weight"))
     problems = []
     if mismatched:
