@@ -589,3 +589,26 @@ def test_a_damaged_index_or_meta_is_a_corpus_error(corpus, tmp_path):
         json.dump(meta, f)
     with pytest.raises(C.CorpusError, match="meta.json: unreadable.*eos_id.*rebuild"):
         D.PackedDataset(bad, "val", 8)
+
+
+def test_a_corpus_is_on_disk_before_it_is_renamed_into_place(tmp_path, tok_path, monkeypatch):
+    events = []
+    fsync, replace = C._fsync, os.replace
+    monkeypatch.setattr(C, "_fsync", lambda p: (events.append(("fsync", os.path.basename(p.rstrip("/")))), fsync(p)))
+    monkeypatch.setattr(C.os, "replace", lambda a, b: (events.append(("replace", os.path.basename(b))), replace(a, b)))
+    C.build_corpus([write_jsonl(tmp_path / "d.jsonl", DOCS)], str(tmp_path / "c"), tok_path, workers=1)
+    first_move = events.index(("replace", "c"))
+    assert {n for what, n in events[:first_move] if what == "fsync"} >= set(C.CORPUS_FILES)
+    assert ("fsync", "c") in events[first_move:] and ("fsync", tmp_path.name) in events[first_move:]
+
+
+def test_a_replaced_tokenizer_json_is_refused(corpus, tmp_path):
+    import shutil
+
+    bad = str(tmp_path / "bad")
+    shutil.copytree(corpus, bad)
+    with open(os.path.join(bad, "tokenizer.json"), "a") as f:
+        f.write("\n")
+    with pytest.raises(C.CorpusError, match="not the tokenizer this corpus was built with"):
+        D.PackedDataset(bad, "train", 8)
+    D.PackedDataset(corpus, "train", 8)

@@ -7,6 +7,7 @@ saves and restores exactly.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import TYPE_CHECKING
@@ -46,6 +47,11 @@ class PackedDataset:
             raise CorpusError(f"seq_len must be at least 1, got {seq_len}")
         self.meta, self.split, self.seq_len = meta, split, seq_len
         self.tokenizer_path = os.path.join(corpus_dir, "tokenizer.json")
+        if meta.get("tokenizer_sha256") and os.path.isfile(self.tokenizer_path):
+            with open(self.tokenizer_path, "rb") as f:
+                if hashlib.sha256(f.read()).hexdigest() != meta["tokenizer_sha256"]:
+                    raise CorpusError(f"{self.tokenizer_path} is not the tokenizer this corpus was built with (its "
+                                      "sha256 differs from meta.json's): restore that file, or rebuild the corpus")
         dtype = np.dtype(meta["dtype"])
         bin_path = os.path.join(corpus_dir, f"{split}.bin")
         size = os.path.getsize(bin_path) if os.path.isfile(bin_path) else None
