@@ -453,6 +453,22 @@ def test_resume_keeps_the_spike_window_and_refuses_a_finished_run(tiny_corpus, t
         train(load_config(toml, common + [f"log.run_dir={tmp_path}/parts", "checkpoint.resume=auto"]))
 
 
+def test_a_pause_after_a_skipped_first_step_resumes_exactly(tiny_corpus, tmp_path, monkeypatch):
+    """A checkpoint saved when every step so far was skipped (AdamW has no state yet) holds step
+    counts of 0, so the resumed run's first update is bias-corrected as the first, as straight through."""
+    from conftest import losses
+    from pithtrain.train.loop import train
+
+    toml = write_run(tmp_path, tiny_corpus, "device = \"cpu\"\n")
+    monkeypatch.setenv("PITHTRAIN_FAULT", "nan-loss:1")
+    common = ["train.steps=4", "optim.warmup_steps=1", "train.nonfinite=skip", "log.every=1"]
+    whole = train(load_config(toml, common + [f"log.run_dir={tmp_path}/whole"]))
+    train(load_config(toml, common + [f"log.run_dir={tmp_path}/parts", "train.stop_at=1"]))
+    parts = train(load_config(toml, common + [f"log.run_dir={tmp_path}/parts", "checkpoint.resume=auto"]))
+    assert whole["skipped_steps"] == parts["skipped_steps"] == 1
+    assert losses(f"{tmp_path}/parts") == losses(f"{tmp_path}/whole")
+
+
 def test_deterministic_switch(tiny_corpus, tmp_path):
     """train.deterministic turns on torch's deterministic algorithms; on CPU two runs are equal."""
     from conftest import losses

@@ -159,6 +159,8 @@ def save(root: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Op
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier()
+    if hasattr(optimizer, "init_state"):  # our AdamW: every step so far skipped leaves no state to save
+        optimizer.init_state()
     state, _ = _global_experts(dict(zip(("model", "optim"), get_state_dict(model, optimizer))), model)
     with quiet():  # several files per rank, written by as many threads (and checksummed in parallel)
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, thread_count=WRITE_THREADS))
