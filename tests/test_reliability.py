@@ -361,6 +361,18 @@ def test_out_of_memory_is_reported_with_a_breakdown(tiny_corpus, tmp_path, monke
     assert "parameters 0.00 GB, gradients" in text and "AdamW states" in text and "train.recompute=both" in text
     assert "estimated peak" in text and "activations" in text  # the estimator's breakdown
     assert "cuda_graphs" not in text  # off in this run
+    calls.clear()  # the same during validation (eval mode), after the first step; the SIGTERM handler goes
+
+    def failing_in_eval(self, *a, **kw):
+        if not self.training:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.32 GiB")
+        return forward(self, *a, **kw)
+
+    monkeypatch.setattr(CausalLM, "forward", failing_in_eval)
+    handler = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(TrainingHalted, match="out of memory on cpu: .* 2.32 GiB"):
+        train(load_config(toml, ["train.steps=4", "data.val_every=2", f"log.run_dir={tmp_path}/val"]))
+    assert signal.getsignal(signal.SIGTERM) == handler
     from pithtrain.tools.memory import MemoryEstimate
     from pithtrain.train.guard import out_of_memory_report
     model, error = torch.nn.Linear(2, 2), torch.OutOfMemoryError("CUDA out of memory")

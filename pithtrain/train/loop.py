@@ -467,15 +467,53 @@ def train(cfg: RunConfig) -> dict:
     for step in range(start, end):
         lr = lr_at(step, cfg.train.steps, cfg.optim)
         set_lr(optimizer, lr)
-        micro = rank_batches(train_ds, sampler.next_batch(), d.micro_batch_size, mesh, d.document_mask)
         done = step + 1
-        try:
+        try:  # the step, its validation and its checkpoint: an out-of-memory or a failed collective is reported
+            micro = rank_batches(train_ds, sampler.next_batch(), d.micro_batch_size, mesh, d.document_mask)
             last = train_step(model, optimizer, micro, cfg.optim.grad_clip, device, amp, mesh, guard, done,
                               preemption, graphs)
             if last["skipped"] is not None:
                 log.say(f"step {done}: skipped ({last['skipped']}); {guard.skipped_in_a_row + 1} in a row, "
                         f"{guard.skipped_total + 1} in all")
             guard.count(last["skipped"], done)
+            tokens_since += last["tokens"]
+            is_last = done == end
+            final = done == cfg.train.steps  # the run's last step; a pause (train.stop_at) logs as any other step
+            validate = bool(val_batches) and (final or (d.val_every and done % d.val_every == 0))
+            if done % cfg.log.every == 0 or validate or final:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                elapsed = time.perf_counter() - t_since
+                steps_since = done - (record.get("step", start))
+                record = {"step": done, "loss": last["loss"].item(), "lr": lr, "grad_norm": last["grad_norm"].item(),
+                          "tokens_per_s": tokens_since / elapsed, "step_time_s": elapsed / steps_since,
+                          "peak_mem_gb": peak_memory_gb(device), "epoch": sampler.epoch,
+                          "skipped_steps": guard.skipped_total}
+                for key in ("aux_loss", "expert_load_imbalance"):
+                    if key in last:
+                        record[key] = last[key].item()
+                if validate:
+                    record["val_loss"] = evaluate(model, val_batches, device, amp, mesh)
+                log.record(record)
+                first_loss = record["loss"] if first_loss is None else first_loss
+                if first_time:
+                    run_tokens, run_time = run_tokens + tokens_since, run_time + elapsed
+                else:
+                    first_tokens, first_time = tokens_since, elapsed
+                tokens_since, t_since = 0, time.perf_counter()  # validation time is not step time
+            log.advance()
+            every = cfg.checkpoint.every
+            stop = not is_last and last["stop"]
+            paused = is_last and done < cfg.train.steps  # stop_at: always saved, to resume from
+            paused_at = done if paused else None
+            if (every and done % every == 0) or (final and cfg.checkpoint.save_final) or paused or stop:
+                t_save = time.perf_counter()
+                log.sync()
+                checkpoint.save(ckpt_dir, done, model, optimizer,
+                                {"data": sampler.state_dict(), "lr": lr, "tokenizer": corpus_tokenizer,
+                                 "guard": guard.state_dict(), "run": run},
+                                cfg.checkpoint.keep, hf_config=cfg.model.hf)
+                t_since += time.perf_counter() - t_save  # nor is saving
         except BaseException as e:
             log.close()
             try:  # SIGTERM (torchrun ending the job) only sets the flag until the report is made
@@ -493,44 +531,6 @@ def train(cfg: RunConfig) -> dict:
                                      f"{str(e).splitlines()[0][:200]}") from e
             finally:
                 preemption.uninstall()
-        tokens_since += last["tokens"]
-        is_last = done == end
-        final = done == cfg.train.steps  # the run's last step; a pause (train.stop_at) logs as any other step
-        validate = bool(val_batches) and (final or (d.val_every and done % d.val_every == 0))
-        if done % cfg.log.every == 0 or validate or final:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            elapsed = time.perf_counter() - t_since
-            steps_since = done - (record.get("step", start))
-            record = {"step": done, "loss": last["loss"].item(), "lr": lr, "grad_norm": last["grad_norm"].item(),
-                      "tokens_per_s": tokens_since / elapsed, "step_time_s": elapsed / steps_since,
-                      "peak_mem_gb": peak_memory_gb(device), "epoch": sampler.epoch,
-                      "skipped_steps": guard.skipped_total}
-            for key in ("aux_loss", "expert_load_imbalance"):
-                if key in last:
-                    record[key] = last[key].item()
-            if validate:
-                record["val_loss"] = evaluate(model, val_batches, device, amp, mesh)
-            log.record(record)
-            first_loss = record["loss"] if first_loss is None else first_loss
-            if first_time:
-                run_tokens, run_time = run_tokens + tokens_since, run_time + elapsed
-            else:
-                first_tokens, first_time = tokens_since, elapsed
-            tokens_since, t_since = 0, time.perf_counter()  # validation time is not step time
-        log.advance()
-        every = cfg.checkpoint.every
-        stop = not is_last and last["stop"]
-        paused = is_last and done < cfg.train.steps  # stop_at: always saved, to resume from
-        paused_at = done if paused else None
-        if (every and done % every == 0) or (final and cfg.checkpoint.save_final) or paused or stop:
-            t_save = time.perf_counter()
-            log.sync()
-            checkpoint.save(ckpt_dir, done, model, optimizer,
-                            {"data": sampler.state_dict(), "lr": lr, "tokenizer": corpus_tokenizer,
-                             "guard": guard.state_dict(), "run": run},
-                            cfg.checkpoint.keep, hf_config=cfg.model.hf)
-            t_since += time.perf_counter() - t_save  # nor is saving
         if stop:
             preempted = done
             log.say(f"SIGTERM: checkpoint of step {done} saved; resume with checkpoint.resume=auto")
