@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import math
 import os
 import tomllib
 import typing
@@ -164,8 +165,8 @@ def _check_type(key: str, value: Any, annotation: Any) -> Any:
         raise ConfigError(f"{key} = {value!r} must be true or false")
     if annotation in (int, float, str) and (not isinstance(value, annotation) or isinstance(value, bool)):
         raise ConfigError(f"{key} = {value!r} must be of type {annotation.__name__}")
-    if annotation is float and value != value:
-        raise ConfigError(f"{key} = nan: give a number")
+    if annotation is float and not math.isfinite(value):
+        raise ConfigError(f"{key} = {value}: give a finite number")
     return value
 
 
@@ -343,7 +344,8 @@ def validate(cfg: RunConfig) -> None:
                        ("checkpoint.every", cfg.checkpoint.every),
                        ("optim.warmup_steps", o.warmup_steps), ("optim.grad_clip", o.grad_clip),
                        ("optim.weight_decay", o.weight_decay), ("moe.aux_loss_coef", cfg.moe.aux_loss_coef),
-                       ("moe.z_loss_coef", cfg.moe.z_loss_coef), ("train.threads", t.threads),
+                       ("moe.z_loss_coef", cfg.moe.z_loss_coef), ("moe.aux_free_rate", cfg.moe.aux_free_rate),
+                       ("train.threads", t.threads),
                        ("train.max_skips", t.max_skips), ("train.seed", t.seed)]:
         if value < 0:
             raise ConfigError(f"{key} = {value} must not be negative")
@@ -390,7 +392,7 @@ def validate(cfg: RunConfig) -> None:
     if not 0 < cfg.parallel.timeout_s <= 1e9:  # inf or more overflows the process group's timedelta
         raise ConfigError(f"parallel.timeout_s = {cfg.parallel.timeout_s} must be positive and at most 1e9 (seconds; "
                           "1e9 for no practical limit)")
-    if t.spike_factor and (t.spike_factor <= 1 or t.spike_window < 1):
+    if (t.spike_factor and t.spike_factor <= 1) or t.spike_window < 1:
         raise ConfigError(f"train.spike_factor = {t.spike_factor} must be above 1 (or 0: off) and train.spike_window "
                           f"= {t.spike_window} at least 1")
     if t.param_dtype == "bf16" and t.dtype == "fp32":

@@ -56,8 +56,12 @@ def test_float_field_accepts_int(toml):
     ("", ["model.hidden_size=0"], "model.hidden_size = 0 must be a positive integer"),
     ("", ["model.rope_theta.x=1"], "model.rope_theta.x is not a field"),
     ("", ["optim.lr=1e-5"], "need 0 <= optim.min_lr <= optim.lr"),  # cosine decays to min_lr 3e-5
-    ("", ["optim.grad_clip=nan"], "optim.grad_clip = nan: give a number"),
-    ("", ["parallel.timeout_s=inf"], "must be positive and at most 1e9 (seconds"),
+    ("", ["optim.grad_clip=nan"], "optim.grad_clip = nan: give a finite number"),
+    ("", ["parallel.timeout_s=inf"], "parallel.timeout_s = inf: give a finite number"),
+    ("", ["parallel.timeout_s=2e9"], "must be positive and at most 1e9 (seconds"),
+    ("", ["optim.lr=inf"], "optim.lr = inf: give a finite number"),
+    ("", ["moe.aux_free_rate=-1"], "moe.aux_free_rate = -1.0 must not be negative"),
+    ("", ["train.spike_window=0"], "train.spike_window = 0 at least 1"),
     ("", ["model.hidden_size=32.5"], "model.hidden_size = 32.5 has type float"),
 ])
 def test_errors_name_the_key(toml, body, overrides, message):
