@@ -2,10 +2,11 @@
 
 import copy
 
+import pytest
 import torch
 
 from conftest import TINY_MODEL
-from pithtrain.layers.moe import GroupedExperts
+from pithtrain.layers.moe import BalanceOptions, GroupedExperts
 from pithtrain.layers.transformer import init_weights
 from pithtrain.models import build_model
 from pithtrain.train.loop import train_step
@@ -31,9 +32,12 @@ def test_init_depends_only_on_seed_and_global_name():
     assert not torch.equal(other.lm_head.weight, full.lm_head.weight)
 
 
-def test_accumulation_matches_one_batch():
+@pytest.mark.parametrize("balance", [None, dict(aux_loss="sequence", aux_loss_coef=0.1, z_loss_coef=0.01)])
+def test_accumulation_matches_one_batch(balance):
+    """Two micro-batches step as one batch; with the balancing losses that do not depend on the split
+    too (`sequence`, the z-loss; docs/architecture.md says which do)."""
     torch.manual_seed(0)
-    model = build_model(TINY_MODEL)
+    model = build_model(TINY_MODEL, BalanceOptions(**balance) if balance else None)
     init_weights(model, seed=0)
     twin = copy.deepcopy(model)
     ids = torch.randint(0, TINY_MODEL["vocab_size"], (4, 16))

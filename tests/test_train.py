@@ -105,7 +105,7 @@ def test_the_captured_body_is_the_eager_step_on_cpu():
     """What `train/graphs.py` captures as graph A, run directly on the CPU from its static buffers
     and device scalars, gives the eager `train_step`'s gradients (as the optimizer sees them, clipped),
     losses, norm and MoE statistics bit for bit: three micro-batches with ignored labels (each one's
-    share of the balancing losses, 1 / the step's targets), clipping, and the spike-loss factor."""
+    share of the balancing losses, of the step's tokens; 1 / the step's targets), clipping, and the spike-loss factor."""
     import copy
 
     from conftest import TINY_MODEL, masked_middle_batches
@@ -142,7 +142,8 @@ def test_the_captured_body_is_the_eager_step_on_cpu():
             del os.environ["PITHTRAIN_FAULT"]
         body = StepGraphs(graphed, Recorder(graphed), 0.5, torch.device("cpu"), None)
         inv = (torch.ones(()) / sum(counts)).item()
-        body._load(micro, body.scalar_values([c / sum(counts) for c in counts], inv, factor))
+        sizes = [labels.numel() for _, labels in micro]  # the balancing losses' shares: of all tokens
+        body._load(micro, body.scalar_values([n / sum(sizes) for n in sizes], inv, factor))
         body._forward_backward()
         stats = [b.end_step() for b in graphed.moe_blocks()]  # eager's: read by train_step into `out`
         assert torch.equal(out["loss"] * sum(counts), body.loss_sum) and torch.equal(out["grad_norm"], body.norm)

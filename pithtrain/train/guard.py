@@ -169,7 +169,8 @@ def out_of_memory_report(model: torch.nn.Module, optimizer, device: torch.device
         lines += ["  " + line for line in estimate.lines()]
         first = GRAPHS_OFF if estimate.outside_graphs else ""  # a step under train.cuda_graphs
     lines.append("  to fit: " + first + "train.recompute=both (activations), train.param_dtype=bf16 (halves weights, "
-                 "gradients and states), a smaller data.micro_batch_size (the global batch stays, by accumulation), "
+                 "gradients and states), a smaller data.micro_batch_size (the global batch stays, by accumulation; the "
+                 "micro_batch and global_batch balancing losses then see fewer tokens at once), "
                  "or more ranks (FSDP shards weights, gradients and states)")
     return "\n".join(lines)
 

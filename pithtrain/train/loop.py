@@ -183,9 +183,12 @@ def train_step(model: CausalLM, optimizer, micro_batches: list, grad_clip: float
     inject_failure(step)
     factor = float("nan") if injected("nan-loss", step) else 100.0 if injected("spike-loss", step) else None
     inv_tokens = (torch.ones((), dtype=torch.float32) / n_tokens).item()  # fp32's 1/n, the graphed step's too
-    # Balancing losses: the single-process value weights micro-batch i by its share of the step's
-    # targets, and its P by all its tokens; every rank holds as many of those, so 1/ranks of the share.
-    shares = [count / n_tokens / ranks for count in counts]
+    # Balancing losses: micro-batch i weighs its share of the step's tokens (ignored labels included:
+    # every token is routed, and P and the z-loss are means over all of them), so that `sequence` and
+    # the z-loss give one batch's gradients whatever the split; each rank holds as many tokens, so
+    # 1/ranks of the share.
+    sizes = [mb[1].numel() for mb in micro_batches]
+    shares = [size / sum(sizes) / ranks for size in sizes]
     if graphs is not None and graphs.ready():
         loss_sum, losses, grad_norm = graphs.forward_backward(micro_batches, shares, inv_tokens, factor or 1.0)
     else:
