@@ -196,9 +196,13 @@ def test_biases_and_norms_get_no_weight_decay():
     from pithtrain.train.optim import build_optimizer
 
     model = build_model(GPT_OSS)
-    decayed, kept = (set(map(id, g["params"])) for g in build_optimizer(model, OptimConfig()).param_groups)
+    groups = build_optimizer(model, OptimConfig(weight_decay=0.25)).param_groups
+    assert [g["weight_decay"] for g in groups] == [0.25, 0.0]
     names = {id(p): n for n, p in model.named_parameters()}
-    assert {names[i] for i in decayed} == {n for n, p in model.named_parameters()
-                                          if p.ndim >= 2 and not n.endswith("bias")}
-    assert "model.layers.0.mlp.experts.gate_up_proj_bias" in {names[i] for i in kept}
-    assert "model.layers.0.mlp.experts.gate_up_proj" in {names[i] for i in decayed}
+    decayed, kept = ({names[id(p)] for p in g["params"]} for g in groups)
+    assert decayed | kept == set(dict(model.named_parameters())) and not decayed & kept
+    layer = "model.layers.0."
+    assert {layer + n for n in ("self_attn.sinks", "self_attn.q_proj.bias", "input_layernorm.weight", "mlp.router.bias",
+                                "mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias")} <= kept
+    assert {layer + n for n in ("self_attn.q_proj.weight", "mlp.router.weight", "mlp.experts.gate_up_proj",
+                                "mlp.experts.down_proj")} | {"model.embed_tokens.weight", "lm_head.weight"} <= decayed
