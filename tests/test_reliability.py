@@ -220,8 +220,12 @@ def test_sigterm_saves_and_exits_cleanly_then_resumes(tiny_corpus, tmp_path, ran
     assert 1 <= step < 500 and f"SIGTERM: checkpoint of step {step} saved" in out, (out, err)
     assert proc.returncode == 0, err  # every rank exited 0 (and so did torchrun)
     assert took < 60
-    resumed = run_cli("train", toml, f"train.steps={step + 2}", "checkpoint.resume=auto")
+    resume = ["train.steps=500", f"train.stop_at={step + 2}", "log.every=1"]
+    resumed = run_cli("train", toml, *resume, "checkpoint.resume=auto")
     assert "resumed from" in resumed.stdout and step + 2 in losses(str(run_dir))
+    if ranks == 1:  # the same losses as a run that was never signalled
+        run_cli("train", toml, *resume, f"log.run_dir={tmp_path}/straight")
+        assert losses(str(run_dir)) == losses(f"{tmp_path}/straight")
 
 
 def _group_alive(pgid: int) -> bool:
