@@ -119,6 +119,11 @@ def check_swiglu(device: str) -> None:
     sw.TILE.update(tiles[0])
     x = torch.tensor([[2.0, 2.0, -2.0, -2.0, 2.5, 3.0]], device=device)  # clamps at and past the limits
     _compare(lambda t: sw.clamped_swiglu(t, 1.702, 2.0), lambda t: sw.clamped_swiglu_reference(t, 1.702, 2.0), x, 1e-6)
+    nan = float("nan")  # a NaN gate or up stays NaN through the clamp, as in the twin (the guard must see it)
+    x = torch.tensor([[nan, 1.0, 0.5, nan, 0.5, 1.0]], device=device)
+    got, want = sw.clamped_swiglu(x, 1.702, 2.0), sw.clamped_swiglu_reference(x, 1.702, 2.0)
+    assert torch.equal(got.isnan(), want.isnan()) and want.isnan()[0, :2].all(), (got, want)
+    torch.testing.assert_close(got[:, 2], want[:, 2])
 
 
 def check_permute(device: str) -> None:
@@ -419,10 +424,12 @@ def compile_for(signatures: list, arch: int = 90) -> list[str]:
     done = []
     for module, name, types, consts, warps in signatures:
         fn = getattr(importlib.import_module(module), name)
-        sig = {**{n: t for n, t in types}, **{n: "constexpr" for n, _ in consts}}
-        sig = {n: sig[n] for n in fn.arg_names}
-        src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts})
-        compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+        # as recorded (the CPU checks run fp32), and with bf16 in place of fp32 tensors, as a GPU run holds
+        for to in ("*fp32", "*bf16"):
+            sig = {**{n: to if t == "*fp32" else t for n, t in types}, **{n: "constexpr" for n, _ in consts}}
+            sig = {n: sig[n] for n in fn.arg_names}
+            src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts})
+            compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
         done.append(name)
     return done
 

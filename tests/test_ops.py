@@ -90,3 +90,21 @@ def test_activation_twins_on_cpu():
     x = torch.randn(5, 8)
     torch.testing.assert_close(sw.swiglu(x), torch.nn.functional.silu(x[:, :4]) * x[:, 4:])
     assert not sw.use_triton(x) or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def test_the_head_makes_no_gradient_under_no_grad(monkeypatch):
+    """Evaluation (no_grad) with parameters that require grad: the chunked path makes no gradient
+    (forward's needs_input_grad alone would say it is wanted), and the loss is the same."""
+    from pithtrain.ops import cross_entropy as ce
+
+    h, w = torch.randn(40, 8, requires_grad=True), torch.randn(30, 8, requires_grad=True)
+    labels = torch.randint(0, 30, (40,))
+    calls = []
+    monkeypatch.setattr(ce, "ce_backward", lambda *a: calls.append(1) or ce.ce_backward_reference(*a))
+    with torch.no_grad():
+        loss = linear_cross_entropy(h, w, labels, chunk=8)
+    assert not calls and not loss.requires_grad
+    torch.testing.assert_close(loss, linear_cross_entropy_reference(h, w, labels).detach())
+    linear_cross_entropy(h, w, labels, chunk=8).backward()
+    assert len(calls) == 5 and h.grad is not None
+

@@ -108,7 +108,10 @@ def squares_sum_reference(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def squares_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
     """`squares_sum_reference` as a 0-d fp32 tensor on the tensors' device: the kernel over each
-    contiguous tensor, the twin over any others (and everywhere off CUDA)."""
+    contiguous tensor, the twin over any others (and everywhere off CUDA). `tensors` must not be
+    empty (its device is the result's)."""
+    if not tensors:
+        raise ValueError("squares_sum of no tensors: there is no device to put the sum on")
     kernel = [use_triton(t, ndim=None) and t.is_contiguous() for t in tensors]
     fast = [t for t, k in zip(tensors, kernel) if k and t.numel()]
     rest = [t for t, k in zip(tensors, kernel) if not k]

@@ -275,6 +275,8 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     loop checks the corpus's vocabulary against the model's before it starts)."""
     if labels.shape != (h.shape[0],):
         raise ValueError(f"labels of shape {list(labels.shape)} for {h.shape[0]} rows of h: give one label per row")
+    if not torch.is_grad_enabled():  # forward's needs_input_grad ignores no_grad: no gradients made (evaluation)
+        h, weight = h.detach(), weight.detach()
     return _LinearCrossEntropy.apply(h, weight, labels.contiguous(), chunk or CHUNK, ignore_index, _compute_dtype(h))
 
 

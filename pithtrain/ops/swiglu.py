@@ -65,9 +65,10 @@ if triton is not None:
                        CLAMP: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
         row, cols, mask = _tile(n_rows, width, ROWS, BLOCK)
         g, u = _load_gate_up(x_ptr, n_rows, row, cols, mask, width, INTERLEAVED, ROWS, BLOCK)
-        if CLAMP:
-            g = tl.minimum(g, limit)
-            u = tl.minimum(tl.maximum(u, -limit), limit)
+        if CLAMP:  # NaN stays NaN, as torch's clamp keeps it (min/max would return the other operand)
+            g = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)
+            u = tl.minimum(tl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
+                           propagate_nan=tl.PropagateNan.ALL)
         out = (u + beta) * g * tl.sigmoid(alpha * g)
         tl.store(out_ptr + row * width + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -81,8 +82,9 @@ if triton is not None:
         if CLAMP:  # the gradient passes where the clamp did not bite (boundaries included, as in torch)
             g_pass = tl.where(g <= limit, 1.0, 0.0)
             u_pass = tl.where((u >= -limit) & (u <= limit), 1.0, 0.0)
-            g = tl.minimum(g, limit)
-            u = tl.minimum(tl.maximum(u, -limit), limit)
+            g = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)
+            u = tl.minimum(tl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
+                           propagate_nan=tl.PropagateNan.ALL)
         s = tl.sigmoid(alpha * g)
         dg = dout * (u + beta) * (s + alpha * g * s * (1.0 - s)) * g_pass
         du = dout * g * s * u_pass
