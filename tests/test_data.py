@@ -612,3 +612,25 @@ def test_a_replaced_tokenizer_json_is_refused(corpus, tmp_path):
     with pytest.raises(C.CorpusError, match="not the tokenizer this corpus was built with"):
         D.PackedDataset(bad, "train", 8)
     D.PackedDataset(corpus, "train", 8)
+
+
+def test_documents_begin_with_the_bos_of_the_tokenizers_template(tmp_path, tok_path):
+    """A tokenizer whose template puts a BOS before a text (DeepSeek's, Llama's): every document
+    starts with it (and ends with EOS, once), unless bos=False (--no-bos); the demo tokenizer has none."""
+    from tokenizers import AddedToken
+    from tokenizers.processors import TemplateProcessing
+
+    tok = Tokenizer.from_file(tok_path)
+    tok.add_special_tokens([AddedToken("<s>", special=True)])
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    tok.enable_padding(length=64)  # a file's padding settings must not hide the template
+    tok.save(str(tmp_path / "bos.json"))
+    src = write_jsonl(tmp_path / "d.jsonl", DOCS)
+    meta = C.build_corpus([src], str(tmp_path / "c"), str(tmp_path / "bos.json"), workers=1)
+    assert meta["bos_ids"] == [bos]
+    docs = read_docs(str(tmp_path / "c"), "train") + read_docs(str(tmp_path / "c"), "val")
+    assert len(docs) == len(DOCS) and all(d[0] == bos and bos not in d[1:] and d[-1] == meta["eos_id"] for d in docs)
+    assert C.build_corpus([src], str(tmp_path / "n"), str(tmp_path / "bos.json"), workers=2, bos=False)["bos_ids"] == []
+    assert not any(bos in d for d in read_docs(str(tmp_path / "n"), "train"))
+    assert C.build_corpus([src], str(tmp_path / "p"), tok_path, workers=1)["bos_ids"] == []

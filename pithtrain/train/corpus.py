@@ -302,35 +302,49 @@ def _read_documents(path: str, text_key: str) -> Iterator[str]:
 # ----------------------------------------------------------------------------- tokenization
 
 
-class _Encoder:
-    """Tokenizes a list of documents into one flat token array (EOS after each) plus per-document lengths."""
+def bos_ids(tok: "Tokenizer") -> list[int]:
+    """The ids that the tokenizer's template (post-processor) puts before a text: DeepSeek's and
+    Llama's BOS; none for Qwen3, GPT-OSS or a demo tokenizer. What it puts after a text is left out:
+    the corpus ends each document with its own EOS."""
+    tok = type(tok).from_str(tok.to_str())  # a copy without the file's padding and truncation settings
+    tok.no_padding()
+    tok.no_truncation()
+    plain, full = (tok.encode("a b", add_special_tokens=special).ids for special in (False, True))
+    starts = [i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain]
+    return full[:starts[0]] if starts else []
 
-    def __init__(self, tokenizer_json: str, eos_id: int, dtype: str):
+
+class _Encoder:
+    """Tokenizes a list of documents into one flat token array (``bos`` before and EOS after each) plus
+    per-document lengths."""
+
+    def __init__(self, tokenizer_json: str, eos_id: int, dtype: str, bos: list[int]):
         from tokenizers import Tokenizer
 
         self.tok = Tokenizer.from_str(tokenizer_json)
         self.tok.encode_special_tokens = True  # "<|endoftext|>" written inside a document stays plain text
         self.tok.no_truncation()  # settings saved in a tokenizer.json would cut documents short
         self.tok.no_padding()  # ... or write pad tokens into the corpus
-        self.eos_id, self.dtype = eos_id, dtype
+        self.eos_id, self.dtype, self.bos = eos_id, dtype, bos
 
     def __call__(self, texts: list[str]) -> tuple[np.ndarray, list[int]]:
         flat: list[int] = []
         lengths = []
         for enc in getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)(texts, add_special_tokens=False):
+            flat += self.bos
             flat += enc.ids
             flat.append(self.eos_id)
-            lengths.append(len(enc.ids) + 1)
+            lengths.append(len(self.bos) + len(enc.ids) + 1)
         return np.array(flat, dtype=self.dtype), lengths
 
 
 _worker_encoder: _Encoder | None = None
 
 
-def _worker_init(tokenizer_json: str, eos_id: int, dtype: str) -> None:
+def _worker_init(tokenizer_json: str, eos_id: int, dtype: str, bos: list[int]) -> None:
     global _worker_encoder
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the parallelism comes from the process pool
-    _worker_encoder = _Encoder(tokenizer_json, eos_id, dtype)
+    _worker_encoder = _Encoder(tokenizer_json, eos_id, dtype, bos)
 
 
 def _worker_encode(texts: list[str]) -> tuple[np.ndarray, list[int]]:
@@ -377,7 +391,7 @@ class _SplitWriter:
 def build_corpus(inputs: list[str], out_dir: str, tokenizer: str | None, *, text_key: str = "text",
                  val_fraction: float = 0.01, workers: int = 2, eos_token: str | None = None,
                  skip_bad_files: bool = False, demo_vocab_size: int = 4096, seed: int = 0,
-                 overwrite: bool = False) -> dict:
+                 overwrite: bool = False, bos: bool = True) -> dict:
     """Tokenize ``inputs`` into the packed corpus directory ``out_dir``; returns its meta dict.
 
     ``inputs`` are files, directories or glob patterns, or ``["demo"]`` (``[DEMO]``, which no path shadows)
@@ -449,7 +463,7 @@ def build_corpus(inputs: list[str], out_dir: str, tokenizer: str | None, *, text
     os.makedirs(tmp)
     try:
         meta = _build(sources, tmp, tokenizer, val_fraction, workers, eos_token, skip_bad_files, demo_vocab_size,
-                      seed)
+                      seed, bos)
         for name in os.listdir(tmp) + [""]:  # on disk before meta.json can name it complete (the folder last)
             _fsync(os.path.join(tmp, name))
         if existing is None:
@@ -501,7 +515,7 @@ def _is_corpus(directory: str) -> bool:
     return isinstance(meta, dict) and meta.get("format") == FORMAT
 
 
-def _build(sources, tmp, tokenizer, val_fraction, workers, eos_token, skip_bad_files, demo_vocab_size, seed):
+def _build(sources, tmp, tokenizer, val_fraction, workers, eos_token, skip_bad_files, demo_vocab_size, seed, bos):
     """The body of build_corpus, writing into the temporary directory ``tmp``; returns the meta dict."""
     skipped: list[tuple[int, str]] = []  # (source index, reason)
 
@@ -594,7 +608,8 @@ def _build(sources, tmp, tokenizer, val_fraction, workers, eos_token, skip_bad_f
             logger.warning("skipping empty file %s (no documents)", sources[i][0])
             skipped.append((i, "empty: no documents"))
 
-    enc_args = (tok.to_str(), eos_id, dtype)
+    bos = bos_ids(tok) if bos else []
+    enc_args = (tok.to_str(), eos_id, dtype, bos)
     try:
         with ExitStack() as stack:
             if workers <= 1:
@@ -630,7 +645,7 @@ def _build(sources, tmp, tokenizer, val_fraction, workers, eos_token, skip_bad_f
 
     with open(tok_path, "rb") as f:
         tok_sha = hashlib.sha256(f.read()).hexdigest()
-    meta = {"format": FORMAT, "vocab_size": vocab_size, "eos_id": eos_id, "dtype": dtype,
+    meta = {"format": FORMAT, "vocab_size": vocab_size, "eos_id": eos_id, "bos_ids": bos, "dtype": dtype,
             "tokenizer_sha256": tok_sha,
             "splits": {s: {"tokens": w.n_tokens, "docs": w.n_docs} for s, w in writers.items()},
             "sources": [{"path": sources[i][0], "docs": n} for i, n in sorted(doc_count.items())],
@@ -659,6 +674,9 @@ def add_build_corpus_args(parser: argparse.ArgumentParser) -> None:
     add("--vocab-size", type=int, default=4096, help="vocab size of the demo tokenizer (default: 4096)")
     add("--seed", type=int, default=0, help="seed of the train/validation split (default: 0)")
     add("--overwrite", action="store_true", help="replace an existing corpus in --out")
+    add("--no-bos", dest="bos", action="store_false", help="leave out the tokens the tokenizer's template puts "
+        "before a text (DeepSeek's BOS; Qwen3's and GPT-OSS's tokenizers put none), which each document gets "
+        "by default")
 
 
 def run_build_corpus(args: argparse.Namespace) -> int:
@@ -667,11 +685,12 @@ def run_build_corpus(args: argparse.Namespace) -> int:
         meta = build_corpus(args.inputs, args.out, args.tokenizer, text_key=args.text_key,
                             val_fraction=args.val_fraction, workers=args.workers, eos_token=args.eos_token,
                             skip_bad_files=args.skip_bad_files, demo_vocab_size=args.vocab_size, seed=args.seed,
-                            overwrite=getattr(args, "overwrite", False))
+                            overwrite=getattr(args, "overwrite", False), bos=getattr(args, "bos", True))
     except CorpusError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"corpus written to {args.out} (vocab {meta['vocab_size']}, {meta['dtype']}, eos id {meta['eos_id']})")
+    print(f"corpus written to {args.out} (vocab {meta['vocab_size']}, {meta['dtype']}, eos id {meta['eos_id']}, "
+          f"each document begins with {meta['bos_ids'] or 'no BOS'})")
     for split, s in meta["splits"].items():
         print(f"  {split:5s} {s['docs']:>10,d} docs {s['tokens']:>14,d} tokens")
     if meta["skipped"]:
