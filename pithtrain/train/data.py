@@ -127,7 +127,10 @@ class GlobalBatchSampler:
         if self._offset + self.global_batch > self.n_samples:
             self._epoch, self._offset, self._perm = self._epoch + 1, 0, None
         if self._perm is None:
-            self._perm = np.random.default_rng([self.seed, self._epoch]).permutation(self.n_samples)
+            # permutation(n)'s order, shuffled in int32 where it fits: half the memory (1 GB per rank at 2^28 windows)
+            perm = np.arange(self.n_samples, dtype=np.int32 if self.n_samples < 2**31 else np.int64)
+            np.random.default_rng([self.seed, self._epoch]).shuffle(perm)
+            self._perm = perm
         self._offset += self.global_batch
         return self._perm[self._offset - self.global_batch : self._offset].tolist()
 
