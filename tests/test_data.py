@@ -550,6 +550,10 @@ def test_a_stopped_build_or_replacement_is_cleaned_up_by_the_next(tmp_path, tok_
     (out / ".tmp-999999999" / "train.bin").write_bytes(b"\0")
     C.build_corpus([good], str(out), tok_path, workers=1)
     assert sorted(os.listdir(out)) == sorted(C.CORPUS_FILES)
+    (tmp_path / "new.tmp-999999999").mkdir()  # beside a new output, where a build into it works
+    (tmp_path / "new.tmp-1").mkdir()  # process 1 is alive: not a stopped build's to remove
+    C.build_corpus([good], str(tmp_path / "new"), tok_path, workers=1)
+    assert not (tmp_path / "new.tmp-999999999").exists() and (tmp_path / "new.tmp-1").exists()
     (out / "meta.json").unlink()  # a replacement stopped after removing the old meta.json
     with pytest.raises(C.CorpusError, match="files of a corpus whose build was stopped.*--overwrite"):
         C.build_corpus([good], str(out), tok_path, workers=1)

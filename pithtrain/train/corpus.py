@@ -409,11 +409,13 @@ def build_corpus(inputs: list[str], out_dir: str, tokenizer: str | None, *, text
         raise CorpusError(f"workers = {workers}: give 1 or more tokenizer processes (--workers)")
     out_dir = os.path.abspath(out_dir)  # "." has no name to make a sibling of; messages say where
     existing = os.listdir(out_dir) if os.path.isdir(out_dir) else None
-    if existing:  # the temporary directories of builds that were killed: ours to remove
-        for name in [n for n in existing if _stale_tmp(n)]:
-            logger.warning("removing %s, left by a build that was stopped", os.path.join(out_dir, name))
-            shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
-            existing.remove(name)
+    # the temporary directories of builds that were killed, inside the output or beside it: ours to remove
+    for path in glob.glob(glob.escape(out_dir) + ".tmp-*") + [os.path.join(out_dir, n) for n in existing or []]:
+        if _stale_tmp(path, out_dir):
+            logger.warning("removing %s, left by a build that was stopped", path)
+            shutil.rmtree(path, ignore_errors=True)
+            if os.path.dirname(path) == out_dir:
+                existing.remove(os.path.basename(path))
     if os.path.exists(out_dir) and existing is None:
         raise CorpusError(f"output {out_dir} exists and is not a directory; pass a new output directory")
     if why := unwritable(out_dir):
@@ -491,10 +493,11 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def _stale_tmp(name: str) -> bool:
-    """Whether ``name`` is the temporary directory (``.tmp-PID``) of a build whose process is gone."""
-    pid = name.removeprefix(".tmp-")
-    if name == pid or not pid.isdigit():
+def _stale_tmp(path: str, out_dir: str) -> bool:
+    """Whether ``path`` is the temporary directory of a build into ``out_dir`` (``out_dir/.tmp-PID``, or
+    ``out_dir.tmp-PID`` beside a new one) whose process is gone."""
+    pid = next((path[len(p):] for p in (os.path.join(out_dir, ".tmp-"), out_dir + ".tmp-") if path.startswith(p)), "")
+    if not pid.isdigit() or not os.path.isdir(path):
         return False
     try:
         os.kill(int(pid), 0)
