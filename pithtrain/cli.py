@@ -58,7 +58,7 @@ def parse_size(text: str) -> int:
     factor, number = units.get(unit, 1), t[:len(t) - len(unit)]
     try:
         size = int(float(number) * factor) if factor > 1 else int(number)
-    except ValueError:
+    except (ValueError, OverflowError):  # inf, nan or beyond a float
         size = 0
     if size <= 0:
         raise ConfigError(f"--max-shard-size {text!r}: give a positive byte count or a size like 500MB / 5GB")
@@ -115,7 +115,7 @@ def cmd_demo(args) -> int:
     if not os.path.exists(toml):
         raise ConfigError(f"{toml} not found: run the demo from a source checkout (or `pip install -e .`)")
     cfg = load_config(toml, [f"data.corpus={corpus}", f"log.run_dir={run_dir}"] + args.overrides)  # checked before the corpus is built
-    if not os.path.exists(os.path.join(corpus, "meta.json")):
+    if cfg.data.corpus == os.path.abspath(corpus) and not os.path.exists(os.path.join(corpus, "meta.json")):
         print(f"building the demo corpus in {corpus} (Python standard library sources)", flush=True)
         meta = build_corpus([DEMO], corpus, None, workers=args.workers, demo_vocab_size=4096,
                             val_fraction=0.02)
@@ -142,9 +142,10 @@ def cmd_memory(args) -> int:
         raise ConfigError(f"--device-gb {args.device_gb:g}: give the device's memory in GiB (0: no check)")
     layout = plan_layout(cfg, args.world)
     device_type = "cpu" if cfg.train.device == "cpu" else "cuda"  # train.device=auto: planned for a GPU
-    check_graphs(cfg, device_type, layout.world, layout.world > 1)
+    check_graphs(cfg, device_type, layout.world, layout.world > 1 or args.torchrun)
     autocast = autocast_dtype(cfg, device_type) is not None
-    est = estimate_for_run(cfg, layout.world, layout.cp, autocast=autocast, data_ranks=layout.data_ranks)
+    est = estimate_for_run(cfg, layout.world, layout.cp, autocast=autocast, data_ranks=layout.data_ranks,
+                           sharded=True if args.torchrun else None)
     print("\n".join(est.lines()))
     if args.device_gb:
         check_fits(est, int(args.device_gb * GB), layout.world)
@@ -204,7 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config", help="run config (TOML)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides")
     p.add_argument("--world", type=int, default=1, help="number of ranks (default 1)")
-    p.add_argument("--device-gb", type=float, default=0, help="also check against a device of this many GiB")
+    p.add_argument("--torchrun", action="store_true", help="launched by torchrun, which FSDP-wraps even one rank "
+                   "(gathered copies and reduction buffers), as train then counts it (default: only when --world > 1)")
+    p.add_argument("--device-gb", type=float, default=0, help="also check against a device of this many GB of "
+                   "2^30 bytes, as torch reports it (an '80 GB' H100 has 79.1; torch.cuda.mem_get_info()[1] / 2**30)")
     p.set_defaults(func=cmd_memory)
 
     sub.add_parser("bench", help="GPU benchmark, ours vs Hugging Face in one process: benchmarks/single_gpu.py "

@@ -223,7 +223,7 @@ def load_config(path: str | None, overrides: list[str] = (), base: dict | None =
             raise ConfigError(f"config file {path} is a folder; name the run's .toml file") from None
         except OSError as e:
             raise ConfigError(f"config file {path} cannot be read: {e}") from None
-        except tomllib.TOMLDecodeError as e:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:  # TOML is UTF-8
             raise ConfigError(f"{path} is not valid TOML: {e}") from None
         root = os.path.dirname(os.path.abspath(path))
     if base:

@@ -206,3 +206,11 @@ def test_biases_and_norms_get_no_weight_decay():
                                 "mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias")} <= kept
     assert {layer + n for n in ("self_attn.q_proj.weight", "mlp.router.weight", "mlp.experts.gate_up_proj",
                                 "mlp.experts.down_proj")} | {"model.embed_tokens.weight", "lm_head.weight"} <= decayed
+
+
+def test_a_run_toml_that_is_not_utf8_is_a_config_error(tmp_path):
+    p = tmp_path / "run.toml"
+    p.write_bytes(b"\xff\xfe[train]\n")
+    with pytest.raises(ConfigError, match="is not valid TOML"):
+        load_config(str(p))
+

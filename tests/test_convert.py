@@ -175,6 +175,8 @@ def test_bad_checkpoints_name_the_tensors(tmp_path):
     with pytest.raises(CheckpointError, match="already exists"):
         hf.dcp_to_hf(str(tmp_path / "dcp"), str(tmp_path / "export"))
     assert os.listdir(tmp_path / "export") == ["keep.txt"]
+    with pytest.raises(CheckpointError, match=r"export/keep.txt/out cannot be made \(.*keep.txt is a file\)"):
+        hf.dcp_to_hf(str(tmp_path / "dcp"), str(tmp_path / "export" / "keep.txt" / "out"))
 
 
 def test_cli_convert_and_train_from_converted_weights(tiny_corpus, tmp_path):
@@ -233,7 +235,7 @@ def test_shard_size_parsing():
 
     assert parse_size("5GB") == 5 * 10**9 and parse_size("1.5gib") == 3 * 2**29  # transformers' reading
     assert parse_size("500MB") == 500 * 10**6 and parse_size("4096") == 4096 and parse_size("2KiB") == 2048
-    for bad in ["0", "-5GB", "abcGB", "5 GiBs", "", "0MB", "1.5"]:
+    for bad in ["0", "-5GB", "abcGB", "5 GiBs", "", "0MB", "1.5", "infGB", "1e400GB", "nanMB"]:
         with pytest.raises(ConfigError, match="max-shard-size"):
             parse_size(bad)
 

@@ -638,3 +638,12 @@ def test_documents_begin_with_the_bos_of_the_tokenizers_template(tmp_path, tok_p
     assert C.build_corpus([src], str(tmp_path / "n"), str(tmp_path / "bos.json"), workers=2, bos=False)["bos_ids"] == []
     assert not any(bos in d for d in read_docs(str(tmp_path / "n"), "train"))
     assert C.build_corpus([src], str(tmp_path / "p"), tok_path, workers=1)["bos_ids"] == []
+
+
+def test_a_demo_vocabulary_beyond_what_it_can_train_is_refused(tmp_path):
+    for size in (10, 2**20 + 1):
+        with pytest.raises(C.CorpusError, match=f"demo vocab size {size}: .*--vocab-size"):
+            C.build_corpus([write_jsonl(tmp_path / "d.jsonl", DOCS)], str(tmp_path / "c"), None, workers=1,
+                           demo_vocab_size=size)
+    assert not (tmp_path / "c").exists()
+

@@ -43,3 +43,7 @@ def test_demo_checks_its_overrides_before_building_the_corpus(tmp_path):
     proc = run_cli("demo", "--work-dir", str(tmp_path), env=launched, check=False)  # under torchrun: refused
     assert proc.returncode == 2 and "runs in one process" in proc.stderr, proc.stderr
     assert not os.path.exists(tmp_path / "demo-corpus")
+    # a corpus of the user's: trained on, and the demo's own not built (a missing one says so)
+    proc = run_cli("demo", "--work-dir", str(tmp_path), f"data.corpus={tmp_path}/mine", check=False)
+    assert proc.returncode == 2 and "mine" in proc.stderr and "building the demo corpus" not in proc.stdout, proc.stderr
+    assert not os.path.exists(tmp_path / "demo-corpus")

@@ -133,28 +133,42 @@ def estimate(model: nn.Module, *, tokens: int, param_dtype: str = "fp32", autoca
     state = 4 if param_dtype == "fp32" else 2
     a = 2 if (autocast or param_dtype == "bf16") else 4
     accumulate = accumulate or graphs
-    n = sum(p.numel() for p in model.parameters())
     layers = list(model.model.layers.values())
     head = model.lm_head.weight
     matrices = sum(p.numel() for layer in layers for p in layer.parameters() if p.ndim >= 2) + head.numel()
     sharded = world > 1 if sharded is None else sharded
+    experts_of = {id(p) for layer in layers if layer.is_moe for p in layer.mlp.experts.parameters()}
+
+    def rows(p, padded: bool) -> float:
+        """Elements of `p` this rank holds (rank 0, the most): FSDP2 cuts dim 0 of this rank's part
+        (1/ep of an expert tensor's experts) into chunks of ceil(rows / shards), rank 0's whole;
+        `padded`: the gathered or reduce-scatter buffer instead, shards x that chunk."""
+        expert = id(p) in experts_of
+        dim0 = p.shape[0] // ep if expert and p.ndim else (p.shape[0] if p.ndim else 1)
+        shards = max(world // ep, 1) if expert else world
+        if not sharded:
+            return p.numel() / (ep if expert else 1)
+        chunk = -(-dim0 // shards) * (p.numel() // max(p.shape[0] if p.ndim else 1, 1))
+        return chunk * shards if padded else chunk
+
+    n = sum(rows(p, False) for p in model.parameters())  # this rank's elements of every parameter
     reduce_buffers = hsdp_kept = 0.0
     if sharded:  # FSDP gathers a layer's weights (bf16 under autocast) and frees them after use
-        def parts(layer):  # (the layer outside its experts, this rank's 1/ep of its experts)
-            experts = sum(p.numel() for p in layer.mlp.experts.parameters()) if layer.is_moe else 0
-            return sum(p.numel() for p in layer.parameters()) - experts, experts / ep
+        def parts(layer):  # (the layer outside its experts, this rank's 1/ep of its experts), padded as gathered
+            experts = sum(rows(p, True) for p in layer.mlp.experts.parameters()) if layer.is_moe else 0
+            return sum(rows(p, True) for p in layer.parameters() if id(p) not in experts_of), experts
 
         split = [parts(layer) for layer in layers]
         sizes = sorted((dense + experts for dense, experts in split), reverse=True)
-        copies = (2 if autocast else state) * (sum(sizes[:2]) + head.numel())
+        copies = (2 if autocast else state) * (sum(sizes[:2]) + rows(head, True))
         # After each unit's backward (a layer's experts, the rest of a layer, the embedding, the head)
         # FSDP copies its unsharded gradient (bf16 under autocast) into a reduce-scatter input (fp32
         # under autocast), which it keeps until the next unit's reduction: both at once, for the largest.
-        units = [head.numel(), model.model.embed_tokens.weight.numel()] + [u for pair in split for u in pair]
+        units = [rows(head, True), rows(model.model.embed_tokens.weight, True)] + [u for pair in split for u in pair]
         reduce = 4 if autocast else state
         reduce_buffers = ((2 if autocast else state) + reduce) * max(units)
         if replicated and (accumulate or reduce != state):  # else the reduced gradient is the gradient itself
-            hsdp_kept = reduce / world  # per parameter: from its unit's reduction to the end of backward
+            hsdp_kept = reduce  # per local element: from its unit's reduction to the end of backward
     else:  # autocast's bf16 copies of fp32 matrices live until backward has used them
         copies = matrices * 2 if (state == 4 and a == 2) else 0
     ra, rx = recompute in ("attention", "both"), recompute in ("experts", "both")
@@ -166,14 +180,14 @@ def estimate(model: nn.Module, *, tokens: int, param_dtype: str = "fp32", autoca
     dw = 4 if tokens > ce_chunk else state  # the head's dW: an fp32 accumulator over several chunks
     logits = min(ce_chunk, tokens) * head.shape[0] * a  # one chunk's
     head_bytes = dw * head.numel() + tokens * hidden * 3 * a + logits
-    est = MemoryEstimate(weights=n * state / world, gradients=n * state / world, optimizer=2 * n * state / world,
+    est = MemoryEstimate(weights=n * state, gradients=n * state, optimizer=2 * n * state,
                          compute_copies=copies, activations=acts, head=head_bytes,
                          reduce_buffers=reduce_buffers + (hsdp_kept * n if accumulate else 0.0),
                          outside_graphs=logits if graphs else 0.0)
     if not accumulate:
-        per = state / world + hsdp_kept  # a reduced parameter's gradient, and what HSDP keeps of it
-        grads = [sum(p.numel() for p in layer.parameters()) * per for layer in layers]
-        held = head.numel() * per  # the head's gradient, once its backward is done
+        per = state + hsdp_kept  # per local element: its reduced gradient, and what HSDP keeps of it
+        grads = [sum(rows(p, False) for p in layer.parameters()) * per for layer in layers]
+        held = rows(head, False) * per  # the head's gradient, once its backward is done
         walk = [acts - recomputed + head_bytes, n * per]
         for i in reversed(range(len(layers))):  # layer i's backward: its gradients next to its activations
             walk.append(held + grads[i] + tokens * (sum(kept[:i + 1]) + full[i] - kept[i]))

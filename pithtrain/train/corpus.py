@@ -101,8 +101,9 @@ def train_demo_tokenizer(texts: Iterable[str], vocab_size: int, out_path: str) -
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    if vocab_size < len(alphabet) + 1:
-        raise CorpusError(f"demo vocab size {vocab_size} is too small; byte-level BPE needs {len(alphabet) + 1}+")
+    if not len(alphabet) + 1 <= vocab_size <= 2**20:
+        raise CorpusError(f"demo vocab size {vocab_size}: byte-level BPE needs {len(alphabet) + 1} or more, and "
+                          "this demo tokenizer trains at most 2^20 (1,048,576) tokens (--vocab-size)")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

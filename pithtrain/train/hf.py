@@ -39,6 +39,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+from pithtrain.config import unwritable
 from pithtrain.models import build_model
 from pithtrain.train.checkpoint import (CheckpointError, check_tensors, finalize_dir, fsync_dir, quiet, stored_tensors,
                                        verify)
@@ -311,9 +312,14 @@ def _fresh_output(out: str) -> str:
     """A new temporary folder beside `out` (its own name, so two conversions never share one)."""
     if os.path.exists(out):
         raise CheckpointError(f"{out} already exists; choose a new output directory (nothing was written)")
+    if why := unwritable(out):
+        raise CheckpointError(f"{out} cannot be made ({why}); choose another output directory (nothing was written)")
     parent = os.path.dirname(os.path.abspath(out))
-    os.makedirs(parent, exist_ok=True)
-    return tempfile.mkdtemp(prefix=f".partial-{os.path.basename(os.path.abspath(out))}-", dir=parent)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        return tempfile.mkdtemp(prefix=f".partial-{os.path.basename(os.path.abspath(out))}-", dir=parent)
+    except OSError as e:
+        raise CheckpointError(f"{out} cannot be made ({e}); choose another output directory") from None
 
 
 def _extra_files(src: str, tokenizer: str | None) -> list[str]:
