@@ -148,7 +148,7 @@ def cmd_memory(args) -> int:
                            sharded=True if args.torchrun else None)
     print("\n".join(est.lines()))
     if args.device_gb:
-        check_fits(est, int(args.device_gb * GB), layout.world)
+        check_fits(est, int(args.device_gb * GB), layout.world, cfg)
         print(f"fits in {args.device_gb:g} GB")
     return 0
 

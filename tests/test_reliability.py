@@ -538,8 +538,16 @@ def test_a_run_that_cannot_fit_is_refused_before_allocation():
     big = estimate_for_run(load_config(toml, ["data.micro_batch_size=8", "data.global_batch_size=64"]), world=8,
                           data_ranks=8)  # one micro-batch a step per rank: the backward walk
     assert big.activations == pytest.approx(8 * eight.activations)
-    with pytest.raises(ConfigError, match=r"on 8 rank.*To fit: train.recompute=both"):
+    with pytest.raises(ConfigError, match=r"on 8 rank.*To fit: train.recompute=both .*parallel.cp"):
         check_fits(big, h200, 8)
+    done = load_config(toml, ["data.micro_batch_size=8", "data.global_batch_size=64", "train.recompute=both"])
+    with pytest.raises(ConfigError, match=r"To fit: a smaller data.micro_batch_size .*, or parallel.cp") as e:
+        check_fits(big, h200, 8, done)  # the advice leaves out what the run already does
+    assert "train.recompute=both" not in str(e.value).split("To fit:")[1]
+    bf16 = load_config(toml, ["train.param_dtype=bf16"])
+    with pytest.raises(ConfigError, match=r"To fit: more ranks .*, or a smaller model") as e:
+        check_fits(one, h200, 1, bf16)
+    assert "param_dtype" not in str(e.value).split("To fit:")[1]
     check_fits(one, None)  # no device to compare with (CPU): nothing to say
     one_mb = ["train.param_dtype=bf16", "data.global_batch_size=1"]  # graphs: one process, one micro-batch a step
     eager = estimate_for_run(load_config(toml, one_mb))

@@ -215,17 +215,23 @@ def estimate_for_run(cfg, world: int = 1, cp: int = 1, autocast: bool = True, da
                     graphs=t.cuda_graphs == "on")
 
 
-def check_fits(est: MemoryEstimate, device_bytes: int | None, world: int = 1) -> None:
-    """Refuse, before anything is allocated, a run whose estimated peak exceeds the device."""
+def check_fits(est: MemoryEstimate, device_bytes: int | None, world: int = 1, cfg=None) -> None:
+    """Refuse, before anything is allocated, a run whose estimated peak exceeds the device; the advice
+    leaves out what the run (`cfg`, a RunConfig) already does."""
     if device_bytes is None or est.total <= device_bytes:
         return
-    states = est.weights + est.gradients + est.optimizer
-    if states > 0.8 * device_bytes:
-        change = ("more ranks (torchrun; FSDP shards weights, gradients and AdamW states), train.param_dtype=bf16 "
-                  "(half of each), or a smaller model")
+    t, d = (cfg.train, cfg.data) if cfg is not None else (None, None)
+    if est.weights + est.gradients + est.optimizer > 0.8 * device_bytes:
+        options = ["more ranks (torchrun; FSDP shards weights, gradients and AdamW states)"]
+        options += [] if t and t.param_dtype == "bf16" else ["train.param_dtype=bf16 (half of each)"]
+        options.append("a smaller model")
     else:
-        change = ("train.recompute=both (activations), a smaller data.micro_batch_size (the global batch stays, "
-                  "by accumulation), or more ranks")
+        options = [] if t and t.recompute == "both" else ["train.recompute=both (activations)"]
+        options += [] if d and d.micro_batch_size == 1 else [
+            "a smaller data.micro_batch_size (the global batch stays, by accumulation)"]
+        options.append("parallel.cp (each rank holds part of every sequence's activations; more data ranks do not "
+                       "shrink them)")
+    change = ", ".join(options[:-1]) + ", or " + options[-1] if len(options) > 1 else options[0]
     if est.outside_graphs:
         change = GRAPHS_OFF + change
     raise ConfigError(f"this run does not fit on {world} rank(s): {est.lines()[0]}; the device has "

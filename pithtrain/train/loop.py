@@ -387,7 +387,7 @@ def train(cfg: RunConfig) -> dict:
     val_batches = [rank_batches(val_ds, idx, d.micro_batch_size, mesh, d.document_mask) for idx in val_idx]
     memory = estimate_for_run(cfg, layout.world, layout.cp, amp is not None, layout.data_ranks, sharded=launched)
     if device.type == "cuda":  # before anything is allocated
-        check_fits(memory, torch.cuda.get_device_properties(device).total_memory, layout.world)
+        check_fits(memory, torch.cuda.get_device_properties(device).total_memory, layout.world, cfg)
     model = build_for_training(cfg, device, mesh, amp)
     optimizer = build_optimizer(model, cfg.optim)
 
