@@ -199,6 +199,24 @@ def test_a_damaged_marker_is_refused_and_passed_over(tmp_path, damage):
     assert checkpoint.newest_valid(str(tmp_path))[0] == str(tmp_path / "step-00000011")
 
 
+def test_a_checkpoint_that_cannot_be_read_is_passed_over(tmp_path, monkeypatch):
+    """An I/O error while the newest checkpoint is checked refuses it like damage: resume=auto falls back."""
+    mo = model_and_optimizer()
+    for s in (10, 20):
+        save(tmp_path, s, mo)
+    crc = checkpoint._crc32
+
+    def failing(path):
+        if "step-00000020" in path:
+            raise OSError(5, "Input/output error", path)
+        return crc(path)
+
+    monkeypatch.setattr(checkpoint, "_crc32", failing)
+    path, refused = checkpoint.newest_valid(str(tmp_path))
+    assert path == str(tmp_path / "step-00000010") and len(refused) == 1
+    assert "step-00000020 cannot be read ([Errno 5] Input/output error" in refused[0]
+
+
 def test_a_folder_that_is_not_a_checkpoint_says_what_to_name(tmp_path, hf_folder):
     """The checkpoints folder (or the run folder above it) and an unconverted Hugging Face folder
     are each refused with what to set instead."""

@@ -223,7 +223,15 @@ def _what_it_is(path: str) -> str:
 
 def verify(path: str, checksums: bool = False) -> dict:
     """Check a checkpoint directory against its completion marker (every file present with its
-    size; with `checksums` also its CRC-32, which reads every byte); return the marker."""
+    size; with `checksums` also its CRC-32, which reads every byte); return the marker. A read that
+    fails (an I/O error) refuses the checkpoint like damage does, so `resume=auto` passes it over."""
+    try:
+        return _verify(path, checksums)
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path} cannot be read ({e}); resume from another checkpoint") from None
+
+
+def _verify(path: str, checksums: bool) -> dict:
     marker = os.path.join(path, MARKER)
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path} does not exist (or is not a folder)")

@@ -160,6 +160,9 @@ class StepGraphs:
             for block in self.model.moe_blocks():
                 block.end_step(applied=False)
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        # AdamW's states exist before capture even when the guard skipped every eager step: made inside
+        # graph B they would be zeroed again by every replay (each update bias-corrected as the first)
+        self.optimizer.init_state()
         # torch.cuda.graph synchronises and empties the cache on entry: the eager steps' cached blocks go back
         graph_a, graph_b = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         try:
