@@ -568,3 +568,20 @@ def test_collective_failures_are_told_from_other_errors():
     assert collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
     assert collective_failure(TrainingHalted("a collective timed out earlier")) is None
     assert collective_failure(ValueError("timed out")) is None
+
+
+def test_a_resume_under_another_aux_free_setting_or_parameter_dtype_is_named(tiny_corpus, tmp_path, capsys):
+    """DeepSeek-V3's routers hold their correction bias with or without moe.aux_free, so the tensors
+    cannot tell; trainer.json does: a resume under the other setting is refused naming it. A changed
+    train.param_dtype is converted, and said."""
+    from conftest import DEEPSEEK_V3
+    from pithtrain.train.loop import train
+
+    toml = write_run(tmp_path, tiny_corpus, "device = \"cpu\"\n", **dict(DEEPSEEK_V3, vocab_size=512))
+    train(load_config(toml, ["train.steps=2", "optim.warmup_steps=1", "moe.aux_free=true"]))
+    with pytest.raises(ConfigError, match="trained with moe.aux_free = true: set moe.aux_free=true as it was"):
+        train(load_config(toml, ["train.steps=3", "optim.warmup_steps=1", "checkpoint.resume=auto"]))
+    capsys.readouterr()
+    train(load_config(toml, ["train.steps=3", "optim.warmup_steps=1", "checkpoint.resume=auto", "moe.aux_free=true",
+                             "train.param_dtype=bf16"]))
+    assert "train.param_dtype changed from fp32 to bf16" in capsys.readouterr().out

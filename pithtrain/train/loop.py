@@ -419,6 +419,13 @@ def train(cfg: RunConfig) -> dict:
                               f"{state['tokenizer']}) than data.corpus = {d.corpus} ({corpus_tokenizer}); resume "
                               "with the corpus it was trained on")
         start = state["step"]
+        if state.get("aux_free", cfg.moe.aux_free) != cfg.moe.aux_free:  # DeepSeek-V3's routers always hold the bias
+            was = "true" if state["aux_free"] else "false"
+            raise ConfigError(f"checkpoint {path} was trained with moe.aux_free = {was}: set moe.aux_free={was} "
+                              "as it was (its routers' correction biases are moved only under it)")
+        if state.get("param_dtype", cfg.train.param_dtype) != cfg.train.param_dtype:
+            notes.append(f"train.param_dtype changed from {state['param_dtype']} to {cfg.train.param_dtype}: the "
+                         "checkpoint's weights and AdamW moments were converted to it")
         if resume == "auto" or of_this_run(path, ckpt_dir):  # else a new run that starts from another's checkpoint
             run = state.get("run", run)
         sampler.load_state_dict(state["data"])
@@ -514,7 +521,8 @@ def train(cfg: RunConfig) -> dict:
                 log.sync()
                 checkpoint.save(ckpt_dir, done, model, optimizer,
                                 {"data": sampler.state_dict(), "lr": lr, "tokenizer": corpus_tokenizer,
-                                 "guard": guard.state_dict(), "run": run},
+                                 "guard": guard.state_dict(), "run": run, "aux_free": cfg.moe.aux_free,
+                                 "param_dtype": cfg.train.param_dtype},
                                 cfg.checkpoint.keep, hf_config=cfg.model.hf)
                 t_since += time.perf_counter() - t_save  # nor is saving
         except BaseException as e:
