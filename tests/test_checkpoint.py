@@ -332,3 +332,26 @@ def test_checkpoints_of_another_aux_free_setting_or_head_say_which_setting_to_ch
     hf.dcp_to_hf(path, str(tmp_path / "tied-hf"), hf_config=dict(QWEN3, tie_word_embeddings=True))
     index = json.load(open(tmp_path / "tied-hf" / "model.safetensors.index.json"))["weight_map"]
     assert "lm_head.weight" not in index and "model.embed_tokens.weight" in index
+
+
+def test_a_prune_killed_midway_leaves_no_torn_checkpoint(tmp_path, monkeypatch):
+    """A pruned checkpoint is renamed .pruning-step-N before it is deleted: a kill during the delete
+    leaves that name (removed by the next start), never a step-N with files missing."""
+    mo = model_and_optimizer()
+    save(tmp_path, 10, mo)
+    rmtree = shutil.rmtree
+
+    def killed(path, ignore_errors=False):  # the prune's delete: one file, then the process dies
+        if ".pruning-" not in str(path):
+            return rmtree(path, ignore_errors=ignore_errors)
+        os.remove(os.path.join(path, sorted(os.listdir(path))[0]))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        save(tmp_path, 20, mo, keep=1)
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", rmtree)
+    assert sorted(os.listdir(tmp_path)) == [".pruning-step-00000010", "step-00000020"]
+    assert checkpoint.newest_valid(str(tmp_path)) == (str(tmp_path / "step-00000020"), [])
+    assert checkpoint.clean_partial(str(tmp_path)) == [".pruning-step-00000010"]
+    assert os.listdir(tmp_path) == ["step-00000020"]

@@ -326,10 +326,13 @@ def clean_partial(root: str) -> list[str]:
     killed after its marker but before its rename leaves a complete `.tmp-step-N`: it is moved in
     (later checkpoints set aside first, as its save would have). `.old-step-N` (left by a killed
     same-step save of earlier versions, which replaced the old copy) is moved back when no
-    `step-N` exists and it verifies."""
+    `step-N` exists and it verifies. `.pruning-step-N` (a prune killed mid-delete) is removed."""
     removed = []
     if _rank() == 0 and os.path.isdir(root):
         for name in sorted(os.listdir(root), key=lambda n: not n.startswith(".tmp-")):  # the new copy first
+            if name.startswith(".pruning-step-"):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+                removed.append(name)
             if not name.startswith((".tmp-step-", ".old-step-")):
                 continue
             path, final = os.path.join(root, name), os.path.join(root, name[5:])
@@ -369,7 +372,9 @@ def prune(root: str, keep: int, step: int) -> None:
     (later ones were set aside when its save began, `set_aside`)."""
     older = [path for s, path in complete_checkpoints(root) if s < step]
     for path in older[:max(len(older) - (keep - 1), 0)]:
-        shutil.rmtree(path, ignore_errors=True)
+        doomed = os.path.join(root, ".pruning-" + os.path.basename(path))  # a delete killed midway: no torn step-N
+        os.replace(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
 
 
 def latest(root: str) -> str | None:
