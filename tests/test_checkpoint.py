@@ -355,3 +355,24 @@ def test_a_prune_killed_midway_leaves_no_torn_checkpoint(tmp_path, monkeypatch):
     assert checkpoint.newest_valid(str(tmp_path)) == (str(tmp_path / "step-00000020"), [])
     assert checkpoint.clean_partial(str(tmp_path)) == [".pruning-step-00000010"]
     assert os.listdir(tmp_path) == ["step-00000020"]
+
+
+def test_taking_up_an_abandoned_timeline_makes_it_the_one_resume_auto_continues(tmp_path):
+    """Timeline A reached step 4, a rewind to 2 set A's 3 and 4 aside and B reached 4; resuming A's
+    step 4 by its path sets B's 4 aside and brings A's back as step-4, so a crash before the next
+    save resumes A (B's step 4 kept aside, never deleted)."""
+    import glob
+
+    mo = model_and_optimizer()
+    for s in (2, 3, 4):
+        save(tmp_path, s, mo, branch="A")
+    checkpoint.set_aside(str(tmp_path), 3)  # the rewind to step 2
+    for s in (3, 4):
+        save(tmp_path, s, mo, branch="B")
+    branch = lambda p: json.load(open(os.path.join(p, "trainer.json")))["branch"]  # noqa: E731
+    a4 = next(p for p in glob.glob(str(tmp_path / ".abandoned-step-00000004*")) if branch(p) == "A")
+    checkpoint.take_up(str(tmp_path), a4, 4)
+    assert branch(checkpoint.newest_valid(str(tmp_path))[0]) == "A"
+    assert sorted(branch(p) for p in glob.glob(str(tmp_path / ".abandoned-step-00000004*"))) == ["B"]
+    checkpoint.take_up(str(tmp_path), str(tmp_path / "step-00000002"), 2)  # a plain rewind: later ones aside
+    assert [s for s, _ in checkpoint.step_dirs(str(tmp_path))] == [2]

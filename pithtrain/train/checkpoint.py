@@ -367,6 +367,22 @@ def set_aside(root: str, step: int) -> list[str]:
     return moved
 
 
+def take_up(root: str, path: str, step: int) -> None:
+    """After a resume from `path` at `step` (rank 0): the live checkpoints after it are off this
+    run's timeline (`set_aside`). A resumed `.abandoned-step-S` of `root` (a timeline left earlier,
+    taken up again) sets aside the live `step-S` too and becomes `step-S` again, so a crash before
+    the first save resumes it, not the timeline it replaces. (Checkpoints of that timeline older
+    than S stay: without a record of each one's parent they cannot be told from this one's.)"""
+    name = os.path.basename(os.path.normpath(path))
+    if (re.fullmatch(r"\.abandoned-step-\d+(-\d+)?", name) and os.path.isdir(root)
+            and os.path.samefile(os.path.dirname(os.path.abspath(path)), root)):
+        set_aside(root, step)
+        os.replace(path, os.path.join(root, f"step-{step:08d}"))
+        fsync_dir(root)
+    else:
+        set_aside(root, step + 1)
+
+
 def prune(root: str, keep: int, step: int) -> None:
     """After saving `step` (never deleted): keep the newest `keep` checkpoints up to it, counting it
     (later ones were set aside when its save began, `set_aside`)."""

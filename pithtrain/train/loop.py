@@ -442,7 +442,7 @@ def train(cfg: RunConfig) -> dict:
             raise ConfigError(f"train.stop_at = {cfg.train.stop_at} but {path} is already at step {start}: "
                               "raise train.stop_at, or set it to 0 to run to train.steps")
         if rank0:  # later checkpoints are off this run's timeline from now on, not from its first save
-            checkpoint.set_aside(ckpt_dir, start + 1)
+            checkpoint.take_up(ckpt_dir, path, start)
     elif cfg.checkpoint.init_from:
         checkpoint.verify_everywhere(cfg.checkpoint.init_from)  # before its trainer.json is read
         check_tokenizer_matches(cfg.checkpoint.init_from, train_ds, corpus_tokenizer)
