@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--torchrun", action="store_true", help="launched by torchrun, which FSDP-wraps even one rank "
                    "(gathered copies and reduction buffers), as train then counts it (default: only when --world > 1)")
     p.add_argument("--device-gb", type=float, default=0, help="also check against a device of this many GB of "
-                   "2^30 bytes, as torch reports it (an '80 GB' H100 has 79.1; torch.cuda.mem_get_info()[1] / 2**30)")
+                   "2^30 bytes, as torch reports it (a card sold as '80 GB' holds fewer: torch.cuda.mem_get_info()[1] / 2**30)")
     p.set_defaults(func=cmd_memory)
 
     sub.add_parser("bench", help="GPU benchmark, ours vs Hugging Face in one process: benchmarks/single_gpu.py "

@@ -298,6 +298,15 @@ def build_config(raw: dict) -> RunConfig:
     return cfg
 
 
+def fsync_path(path: str) -> None:
+    """Flush a file's or a folder's (its entries') writes to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def unwritable(path: str) -> str | None:
     """Why a folder cannot be made or filled at `path` (its nearest existing part is a file or not
     writable), or None."""

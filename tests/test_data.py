@@ -597,8 +597,8 @@ def test_a_damaged_index_or_meta_is_a_corpus_error(corpus, tmp_path):
 
 def test_a_corpus_is_on_disk_before_it_is_renamed_into_place(tmp_path, tok_path, monkeypatch):
     events = []
-    fsync, replace = C._fsync, os.replace
-    monkeypatch.setattr(C, "_fsync", lambda p: (events.append(("fsync", os.path.basename(p.rstrip("/")))), fsync(p)))
+    fsync, replace = C.fsync_path, os.replace
+    monkeypatch.setattr(C, "fsync_path", lambda p: (events.append(("fsync", os.path.basename(p.rstrip("/")))), fsync(p)))
     monkeypatch.setattr(C.os, "replace", lambda a, b: (events.append(("replace", os.path.basename(b))), replace(a, b)))
     C.build_corpus([write_jsonl(tmp_path / "d.jsonl", DOCS)], str(tmp_path / "c"), tok_path, workers=1)
     first_move = events.index(("replace", "c"))

@@ -54,6 +54,14 @@ if triton is not None:
         return g, u
 
     @triton.jit
+    def _clamp(g, u, limit):
+        """GPT-OSS's clamp: gate to at most `limit`, up to [-limit, limit]; NaN stays NaN, as in torch's
+        clamp (a plain min/max returns the other operand)."""
+        return (tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL),
+                tl.minimum(tl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
+                           propagate_nan=tl.PropagateNan.ALL))
+
+    @triton.jit
     def _tile(n_rows, width, ROWS: tl.constexpr, BLOCK: tl.constexpr):
         """[ROWS, 1] row and [1, BLOCK] column indices of this program's tile, and their mask."""
         row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
@@ -65,10 +73,8 @@ if triton is not None:
                        CLAMP: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
         row, cols, mask = _tile(n_rows, width, ROWS, BLOCK)
         g, u = _load_gate_up(x_ptr, n_rows, row, cols, mask, width, INTERLEAVED, ROWS, BLOCK)
-        if CLAMP:  # NaN stays NaN, as torch's clamp keeps it (min/max would return the other operand)
-            g = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)
-            u = tl.minimum(tl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
-                           propagate_nan=tl.PropagateNan.ALL)
+        if CLAMP:
+            g, u = _clamp(g, u, limit)
         out = (u + beta) * g * tl.sigmoid(alpha * g)
         tl.store(out_ptr + row * width + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -82,9 +88,7 @@ if triton is not None:
         if CLAMP:  # the gradient passes where the clamp did not bite (boundaries included, as in torch)
             g_pass = tl.where(g <= limit, 1.0, 0.0)
             u_pass = tl.where((u >= -limit) & (u <= limit), 1.0, 0.0)
-            g = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)
-            u = tl.minimum(tl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
-                           propagate_nan=tl.PropagateNan.ALL)
+            g, u = _clamp(g, u, limit)
         s = tl.sigmoid(alpha * g)
         dg = dout * (u + beta) * (s + alpha * g * s * (1.0 - s)) * g_pass
         du = dout * g * s * u_pass

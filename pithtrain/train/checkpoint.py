@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from pithtrain.config import fsync_path
 from pithtrain.train.guard import injected
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -77,14 +78,6 @@ def fault_point(name: str, step: int) -> None:
     rank, else any that gets here) right here."""
     if injected(name, step):
         os._exit(137)
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_json(path: str, obj) -> None:
@@ -202,11 +195,11 @@ def finalize_dir(tmp: str, final: str, info: dict) -> None:
     crcs = _checksums(tmp, names)
     files = {n: {"bytes": os.path.getsize(os.path.join(tmp, n)), "crc32": crcs[n]} for n in names}
     _write_json(os.path.join(tmp, MARKER), {**info, "files": files})
-    fsync_dir(tmp)
+    fsync_path(tmp)
     if os.path.exists(final):
         raise CheckpointError(f"{final} exists; it is not replaced")
     os.replace(tmp, final)
-    fsync_dir(os.path.dirname(os.path.abspath(final)))
+    fsync_path(os.path.dirname(os.path.abspath(final)))
 
 
 def _what_it_is(path: str) -> str:
@@ -333,13 +326,14 @@ def clean_partial(root: str) -> list[str]:
             if name.startswith(".pruning-step-"):
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
                 removed.append(name)
+                continue
             if not name.startswith((".tmp-step-", ".old-step-")):
                 continue
             path, final = os.path.join(root, name), os.path.join(root, name[5:])
             if not os.path.exists(final) and _passes(path):
                 set_aside(root, int(name[-8:]) + 1)  # as a save does when it starts (earlier versions did later)
                 os.replace(path, final)
-                fsync_dir(root)
+                fsync_path(root)
                 continue
             shutil.rmtree(path, ignore_errors=True)
             removed.append(name)
@@ -361,7 +355,7 @@ def set_aside(root: str, step: int) -> list[str]:
             os.replace(path, aside)
             moved.append(os.path.basename(aside))
     if moved:
-        fsync_dir(root)
+        fsync_path(root)
         logger.warning("checkpoints at or after step %d are not on this run's timeline (it resumed from an earlier "
                        "step, or passed over them as invalid); moved aside in %s: %s", step, root, ", ".join(moved))
     return moved
@@ -378,7 +372,7 @@ def take_up(root: str, path: str, step: int) -> None:
             and os.path.samefile(os.path.dirname(os.path.abspath(path)), root)):
         set_aside(root, step)
         os.replace(path, os.path.join(root, f"step-{step:08d}"))
-        fsync_dir(root)
+        fsync_path(root)
     else:
         set_aside(root, step + 1)
 

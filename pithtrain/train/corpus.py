@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pithtrain.config import unwritable
+from pithtrain.config import fsync_path, unwritable
 
 if TYPE_CHECKING:  # tokenizers is imported lazily so that `pithtrain --help` starts fast
     from tokenizers import Tokenizer
@@ -468,7 +468,7 @@ def build_corpus(inputs: list[str], out_dir: str, tokenizer: str | None, *, text
         meta = _build(sources, tmp, tokenizer, val_fraction, workers, eos_token, skip_bad_files, demo_vocab_size,
                       seed, bos)
         for name in os.listdir(tmp) + [""]:  # on disk before meta.json can name it complete (the folder last)
-            _fsync(os.path.join(tmp, name))
+            fsync_path(os.path.join(tmp, name))
         if existing is None:
             os.replace(tmp, out_dir)
         else:
@@ -477,21 +477,13 @@ def build_corpus(inputs: list[str], out_dir: str, tokenizer: str | None, *, text
             for name in sorted(os.listdir(tmp), key=lambda n: n == "meta.json"):  # meta.json marks it complete
                 os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
             os.rmdir(tmp)
-        _fsync(out_dir)
-        _fsync(os.path.dirname(out_dir))
+        fsync_path(out_dir)
+        fsync_path(os.path.dirname(out_dir))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     logger.info("corpus written to %s: %s", out_dir, meta["splits"])
     return meta
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _stale_tmp(path: str, out_dir: str) -> bool:

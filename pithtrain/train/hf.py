@@ -39,9 +39,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from pithtrain.config import unwritable
+from pithtrain.config import fsync_path, unwritable
 from pithtrain.models import build_model
-from pithtrain.train.checkpoint import (CheckpointError, check_tensors, finalize_dir, fsync_dir, quiet, stored_tensors,
+from pithtrain.train.checkpoint import (CheckpointError, check_tensors, finalize_dir, quiet, stored_tensors,
                                        verify)
 
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -463,9 +463,9 @@ def dcp_to_hf(ckpt: str, out: str, hf_config: dict | None = None, tokenizer: str
         raise
     if os.path.exists(out):
         raise CheckpointError(f"{out} appeared while converting; the result is left in {tmp}")
-    fsync_dir(tmp)
+    fsync_path(tmp)
     os.replace(tmp, out)
-    fsync_dir(os.path.dirname(os.path.abspath(out)))
+    fsync_path(os.path.dirname(os.path.abspath(out)))
     return {"shards": len(shards), "tensors": len(weight_map), "tokenizer_files": copied}
 
 

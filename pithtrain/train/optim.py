@@ -43,19 +43,21 @@ class AdamW(torch.optim.AdamW):
     reads from `t` (a captured step then follows the schedule: `train/graphs.py`)."""
 
     @torch.no_grad()
-    def init_state(self, params: list | None = None) -> None:
-        """Zero moments and a step count of 0 for each parameter (of `params`, default all) that has no
-        state yet, in torch's format (as torch's fused AdamW: the count on the parameter's device). A
-        checkpoint saved before the first applied step holds these; left empty, torch's state-dict
-        API would take a dummy step to make them, leaving counts of 1 that the next update would
-        bias-correct as its second."""
-        amsgrad = {id(p): g["amsgrad"] for g in self.param_groups for p in g["params"]}
-        for p in [p for g in self.param_groups for p in g["params"]] if params is None else params:
-            if not self.state[p]:
+    def init_state(self) -> None:
+        """Zero moments and a step count of 0 for every parameter that has no state yet, in torch's
+        format. A checkpoint saved before the first applied step holds these; left empty, torch's
+        state-dict API would take a dummy step to make them, leaving counts of 1 that the next
+        update would bias-correct as its second."""
+        for group in self.param_groups:
+            self._new_state(group["params"], group["amsgrad"])
+
+    def _new_state(self, params: list, amsgrad: bool) -> None:
+        for p in params:
+            if not self.state[p]:  # as torch's fused AdamW: the step count on the parameter's device
                 zeros = lambda: torch.zeros_like(p, memory_format=torch.preserve_format)  # noqa: E731
                 self.state[p].update(step=torch.zeros((), dtype=torch.float32, device=_local(p).device),
                                      exp_avg=zeros(), exp_avg_sq=zeros())
-                if amsgrad[id(p)]:
+                if amsgrad:
                     self.state[p]["max_exp_avg_sq"] = zeros()
 
     @torch.no_grad()
@@ -72,7 +74,7 @@ class AdamW(torch.optim.AdamW):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            self.init_state(params)
+            self._new_state(params, group["amsgrad"])
             torch._foreach_add_([self.state[p]["step"] for p in params], 1.0)
             beta1, beta2 = group["betas"]
             for p in params:
