@@ -240,8 +240,8 @@ def profile(step, out_dir: str) -> None:
     prof.export_chrome_trace(os.path.join(out_dir, "trace.json.gz"))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    p = argparse.ArgumentParser(prog=prog)
     p.add_argument("--model", default="qwen3_30b_a3b", choices=["qwen3_30b_a3b", "deepseek_v2_lite", "gpt_oss_20b"])
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seq", type=int, default=4096)
@@ -266,7 +266,7 @@ def main() -> None:
                         "and AdamW states as the HF side")
     p.add_argument("--ce-chunk", type=int, default=0, help="rows per chunk of the fused head + cross-entropy "
                    "(default: ops/cross_entropy.CHUNK)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     from pithtrain.ops import cross_entropy
     if args.ce_chunk:
         cross_entropy.CHUNK = args.ce_chunk

@@ -163,8 +163,7 @@ def cmd_bench(bench_args: list[str]) -> int:
 
     if not torch.cuda.is_available() and not {"-h", "--help"} & set(bench_args):
         raise ConfigError("`pithtrain bench` times training steps on a CUDA GPU, and torch sees none here")
-    sys.argv = [script] + bench_args
-    runpy.run_path(script, run_name="__main__")
+    runpy.run_path(script, run_name="pithtrain_bench")["main"](bench_args, prog="pithtrain bench")
     return 0
 
 

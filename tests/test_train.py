@@ -295,6 +295,7 @@ def test_paths_and_sizes_that_cannot_work_are_config_errors(tiny_corpus, tmp_pat
         assert proc.returncode == 2 and "CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr
         proc = run_cli("bench", "--help")  # the options are listed all the same
         assert "--weights" in proc.stdout and "--model" in proc.stdout
+        assert proc.stdout.startswith("usage: pithtrain bench")  # not the script's file name
     with pytest.raises(checkpoint.CheckpointError, match="does not exist"):
         checkpoint.verify(str(tmp_path / "nowhere"))
 
