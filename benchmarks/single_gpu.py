@@ -266,6 +266,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                         "and AdamW states as the HF side")
     p.add_argument("--ce-chunk", type=int, default=0, help="rows per chunk of the fused head + cross-entropy "
                    "(default: ops/cross_entropy.CHUNK)")
+    p.add_argument("--order", choices=["ours-first", "hf-first"], default="ours-first", help="which side is timed "
+                   "first (on a cooler card: compare both orders to see what the order is worth)")
     args = p.parse_args(argv)
     from pithtrain.ops import cross_entropy
     if args.ce_chunk:
@@ -291,16 +293,22 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     init_weights(ours, 0)
     fpt = flops_per_token(ours, args.seq)
     state = {k: v.to("cpu", torch.bfloat16) for k, v in ours.state_dict().items()}  # HF's copy, off the GPU
+    losses = {}  # each side's loss on the batch before its first step: the same weights give the same loss
+    if args.order == "hf-first":
+        ours.to("cpu")  # off the GPU while HF is measured
 
-    if args.only in ("ours", "both"):
+    def side_ours():
+        nonlocal ours
+        ours.to(dev)
         if args.weights == "bf16":
             cast_parameters(ours, torch.bfloat16)
+        with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.weights == "fp32"):
+            losses["ours"] = (ours(inputs, labels=labels) / tokens).item()
         ours.set_recompute(args.recompute in ("attention", "both"), args.recompute in ("experts", "both"))
         if args.compile == "on":
             ours.compile_dense()
         opt = AdamW(ours.parameters(), lr=1e-4, fused=True)  # ours: one Triton kernel per parameter
         step_ours = ours_step(ours, opt, inputs, labels, args.step, args.clip, autocast=args.weights == "fp32")
-
         results["ours"] = measure(step_ours, args, tokens, fpt, ceiling)
         est = estimate(ours, tokens=tokens, param_dtype=args.weights, autocast=args.weights == "fp32",
                        recompute=args.recompute, ce_chunk=cross_entropy.CHUNK, accumulate=False)  # one micro-batch a step
@@ -308,15 +316,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         if args.profile:
             profile(step_ours, os.path.join(args.profile, "ours"))
         del opt, step_ours  # the step's closure holds the model and the optimizer
-    del ours
-    gc.collect()  # the compiled wrappers hold our layers in reference cycles
-    torch.cuda.empty_cache()
-    left = torch.cuda.memory_allocated() - ids.numel() * ids.element_size()
-    if args.only != "ours" and left > 2**30:  # a model-sized leftover of ours would count in HF's peak
-        raise RuntimeError(f"{left / 2**30:.2f} GB of our side is still allocated before HF is measured: "
-                           "a reference to our model, optimizer or step is left in main()")
+        ours = None
 
-    if args.only in ("hf", "both"):
+    def side_hf():
+        nonlocal state
         import transformers
 
         attn = "flex_attention" if cfg["model_type"] == "gpt_oss" else "sdpa"
@@ -327,15 +330,17 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         for p in hf.parameters():  # bf16 weights; buffers (RoPE's inv_freq) stay fp32, as a bf16 load leaves them
             p.data = p.data.to(torch.bfloat16)
         hf.load_state_dict(state, strict=True)
-        del state
+        state = None
         hopt = torch.optim.AdamW(hf.parameters(), lr=1e-4, fused=True)
         held = torch.cuda.memory_allocated() / 2**30  # when HF is measured: its weights and the batch, none of ours
         run_hf = torch.compile(hf) if args.hf_compile else hf
 
-        def step_hf(read_loss: bool = False):
-            # no name holds the bf16 logits: autograd keeps only the fp32 copy, as in transformers' own loss
-            loss = torch.nn.functional.cross_entropy(run_hf(input_ids=inputs, use_cache=False).logits.float()
+        def hf_loss():  # no name holds the bf16 logits: autograd keeps only the fp32 copy, as transformers' loss
+            return torch.nn.functional.cross_entropy(run_hf(input_ids=inputs, use_cache=False).logits.float()
                                                      .flatten(0, 1), labels.flatten())
+
+        def step_hf(read_loss: bool = False):
+            loss = hf_loss()
             loss.backward()
             if read_loss:
                 loss.item()
@@ -344,11 +349,28 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
             hopt.step()
             hopt.zero_grad(set_to_none=True)
 
+        with torch.no_grad():
+            losses["hf"] = hf_loss().item()
         results["hf"] = measure(step_hf, args, tokens, fpt, ceiling)
         results["hf"]["held_before_gb"] = held
         results["hf"]["compiled"] = args.hf_compile
         if args.profile:
             profile(step_hf, os.path.join(args.profile, "hf"))
+
+    sides = {"ours": side_ours, "hf": side_hf}
+    order = ["ours", "hf"] if args.order == "ours-first" else ["hf", "ours"]
+    for i, name in enumerate(n for n in order if args.only in (n, "both")):
+        if i:  # the side timed first is gone, so none of it counts in this one's peak
+            gc.collect()  # the compiled wrappers hold our layers in reference cycles
+            torch.cuda.empty_cache()
+            left = torch.cuda.memory_allocated() - ids.numel() * ids.element_size()
+            if left > 2**30:
+                raise RuntimeError(f"{left / 2**30:.2f} GB of the side timed first is still allocated: a reference "
+                                   "to its model, optimizer or step is left in main()")
+        sides[name]()
+    results["loss_before"] = losses
+    if len(losses) == 2 and abs(losses["ours"] - losses["hf"]) > 0.01 * abs(losses["hf"]):
+        results["loss_mismatch"] = "the two sides' losses on the same batch and weights differ by more than 1%"
     if "ours" in results and "hf" in results:
         results["ratio_tokens_per_s"] = results["ours"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
         for protocol in ("trainer", "pipelined"):
@@ -360,7 +382,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         results["ratio_peak_reserved"] = results["ours"]["peak_reserved_gb"] / results["hf"]["peak_reserved_gb"]
     results["config"] = dict(model=args.model, layers=args.layers, seq=args.seq, mbs=args.mbs, steps=args.steps,
                              weights=args.weights, compile=args.compile, recompute=args.recompute, ce_chunk=args.ce_chunk,
-                             clip=args.clip, step=args.step, clocks=args.clocks,
+                             clip=args.clip, step=args.step, clocks=args.clocks, order=args.order,
                              flops_per_token=fpt, device=torch.cuda.get_device_name())
     print(json.dumps(results, indent=1))
 
