@@ -108,3 +108,17 @@ def test_the_head_makes_no_gradient_under_no_grad(monkeypatch):
     linear_cross_entropy(h, w, labels, chunk=8).backward()
     assert len(calls) == 5 and h.grad is not None
 
+
+
+def test_squares_sum_off_cuda_is_exact_to_fp32():
+    """Clipping's sum of squares on the CPU: torch's fp32 norm of half a million elements is off by
+    ~1e-5 relative, which made one layout's logged norm differ from another's (shards summed apart)."""
+    from pithtrain.ops.adamw import squares_sum
+
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(4096, 128, generator=g) * 1e-3, torch.randn(300, generator=g).bfloat16()]
+    want = sum(t.double().square().sum() for t in ts)
+    got = squares_sum(ts)
+    assert got.dtype == torch.float32 and abs(got.double() - want) <= 1e-7 * want
+    halves = squares_sum([ts[0][:2048]]) + squares_sum([ts[0][2048:], ts[1]])  # as two shards would
+    assert abs(halves.double() - want) <= 1e-7 * want

@@ -101,9 +101,13 @@ if triton is not None:
 
 
 def squares_sum_reference(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Sum of the squares of every element of `tensors` (non-empty list), in fp32 (no fp32 copy of
-    them): torch's per-tensor norms, squared and summed. The twin of `squares_sum`."""
-    return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square().sum()
+    """Sum of the squares of every element of `tensors` (non-empty list), as a 0-d fp32 tensor (no
+    fp32 copy of them): torch's per-tensor norms, squared and summed. The twin of `squares_sum`.
+    Off CUDA the norms are taken in fp64: torch's fp32 norm on the CPU is off by ~1e-5 relative on
+    a tensor of half a million elements, which made the logged norm differ by that much between
+    layouts whose shards it sums separately."""
+    dtype = torch.float32 if tensors[0].is_cuda else torch.float64
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype=dtype)).square().sum().float()
 
 
 def squares_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
