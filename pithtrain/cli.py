@@ -95,7 +95,10 @@ def cmd_convert(args) -> int:
                             max_shard_bytes=parse_size(args.max_shard_size or "5GB"))
         print(f"wrote {info['tensors']} tensors in {info['shards']} shards to {args.out}")
     if info["tokenizer_files"]:
-        print(f"tokenizer files: {', '.join(info['tokenizer_files'])}")
+        print(f"taken along: {', '.join(info['tokenizer_files'])}")
+    if not set(info["tokenizer_files"]) & set(hf.TOKENIZER_FILES):
+        print(f"no tokenizer files in {args.src}: {args.out} has none; pass --tokenizer FOLDER (a corpus folder "
+              "or the model's hub folder) to take them along", file=sys.stderr)
     return 0
 
 

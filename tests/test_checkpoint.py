@@ -5,6 +5,7 @@ saves cut short, damaged markers, folders that are not checkpoints, and bad Hugg
 import json
 import logging
 import os
+import re
 import shutil
 
 import pytest
@@ -221,8 +222,10 @@ def test_a_folder_that_is_not_a_checkpoint_says_what_to_name(tmp_path, hf_folder
     """The checkpoints folder (or the run folder above it) and an unconverted Hugging Face folder
     are each refused with what to set instead."""
     save(tmp_path / "run" / "checkpoints", 10, model_and_optimizer())
+    checkpoints = str(tmp_path / "run" / "checkpoints")
     for where in (tmp_path / "run" / "checkpoints", tmp_path / "run"):
-        with pytest.raises(CheckpointError, match=r"name one of its step-N folders \(to continue a run, checkpoint.resume=auto takes"):
+        with pytest.raises(CheckpointError, match=rf"name one of the step-N folders in {re.escape(checkpoints)} \(to "
+                                                  r"continue a run, checkpoint.resume=auto takes"):
             checkpoint.verify(str(where))
     with pytest.raises(CheckpointError, match="Hugging Face folder: convert it with `pithtrain convert hf-to-dcp"):
         checkpoint.verify(str(hf_folder))
@@ -284,7 +287,9 @@ def test_tokenizer_folder_must_hold_a_tokenizer_and_generation_config_comes_from
         hf.dcp_to_hf(str(tmp_path / "out"), str(tmp_path / "back"), tokenizer=str(tok))
     info = hf.dcp_to_hf(str(tmp_path / "out"), str(tmp_path / "back"))
     assert sorted(info["tokenizer_files"]) == ["added_tokens.json", "chat_template.json", "generation_config.json",
-                                               "tokenizer.json"]
+                                               "tokenizer.json", "tokenizer_config.json"]
+    # made for the bare tokenizer.json (no special tokens named: this one is no tokenizer transformers can read)
+    assert json.load(open(tmp_path / "back" / "tokenizer_config.json")) == {"tokenizer_class": "PreTrainedTokenizerFast"}
 
 
 def test_a_resume_reads_the_checkpoint_for_its_checksums_once(tiny_corpus, tmp_path, monkeypatch):

@@ -213,6 +213,22 @@ def test_cli_convert_and_train_from_converted_weights(tiny_corpus, tmp_path):
     assert 0 < moved < 0.1  # trained two steps from the converted weights, not from scratch
     assert torch.equal(back.model.embed_tokens.weight, trained.model.embed_tokens.weight.to(torch.bfloat16))
 
+    # the training checkpoint holds its corpus's tokenizer, so the export takes it along by default,
+    # with a tokenizer_config.json under which transformers encodes text as the corpus did
+    assert os.path.isfile(os.path.join(step, "tokenizer.json"))
+    run_cli("convert", "dcp-to-hf", step, str(tmp_path / "export2"))
+    from tokenizers import Tokenizer
+    text = "Some  text,   spaced out: 12345 and MORE words!\nA second line."
+    corpus_ids = Tokenizer.from_file(os.path.join(tiny_corpus, "tokenizer.json")).encode(text).ids
+    assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "export2"))(text)["input_ids"] == corpus_ids
+    r = run_cli("convert", "dcp-to-hf", str(tmp_path / "dcp"), str(tmp_path / "export3"), "--config",
+                str(src / "config.json"))
+    assert "tokenizer.json" in r.stdout and "tokenizer_config.json" in r.stdout  # the converted DCP's, completed
+    os.remove(src / "tokenizer.json")
+    run_cli("convert", "hf-to-dcp", str(src), str(tmp_path / "bare"))
+    r = run_cli("convert", "dcp-to-hf", str(tmp_path / "bare"), str(tmp_path / "export4"))
+    assert "no tokenizer files in" in r.stderr and "pass --tokenizer" in r.stderr
+
 
 def test_deepseek_v3_prediction_layers_are_ignored_on_import(tmp_path):
     """DeepSeek-V3 releases carry multi-token-prediction layers past num_hidden_layers; transformers

@@ -5,6 +5,7 @@ Layout of `<dir>/step-NNNNNNNN/`:
   rng-rank{R}.pt          each rank's RNG states
   trainer.json            step, data position, LR schedule state, anything else of the loop
   config.json             the model's Hugging Face config
+  tokenizer.json          the corpus's tokenizer (when it has one), for `convert dcp-to-hf`
   complete.json           written last: each file's size and CRC-32; its presence marks completion
 A save goes to `.tmp-step-NNNNNNNN/` and is renamed when complete, so a save killed at any point
 leaves the earlier checkpoints untouched and the partial one ignored (and removed at the next
@@ -141,9 +142,10 @@ def _copy_back(pairs) -> None:
 
 
 def save(root: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         trainer_state: dict, keep: int, hf_config: dict | None = None) -> str:
+         trainer_state: dict, keep: int, hf_config: dict | None = None, tokenizer: str | None = None) -> str:
     """Write checkpoint `step` under `root` atomically and prune (`prune`).
-    `hf_config` (the model's config.json) is stored with it, so the checkpoint describes itself."""
+    `hf_config` (the model's config.json) and `tokenizer` (the corpus's tokenizer.json) are stored
+    with it, so the checkpoint describes itself (`convert dcp-to-hf` takes both along)."""
     final = os.path.join(root, f"step-{step:08d}")
     tmp = os.path.join(root, f".tmp-step-{step:08d}")
     if _rank() == 0:
@@ -167,6 +169,8 @@ def save(root: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Op
         _write_json(os.path.join(tmp, "trainer.json"), {"step": step, **trainer_state})
         if hf_config is not None:
             _write_json(os.path.join(tmp, "config.json"), hf_config)
+        if tokenizer is not None:
+            shutil.copyfile(tokenizer, os.path.join(tmp, "tokenizer.json"))
         fault_point("save-before-marker", step)
         finalize_dir(tmp, final, {"step": step})
         prune(root, keep, step)
@@ -206,8 +210,9 @@ def _what_it_is(path: str) -> str:
     """For a folder without a marker: what it looks like and what to name instead."""
     names = os.listdir(path)
     if any(STEP_DIR.match(n) for n in names) or os.path.isdir(os.path.join(path, "checkpoints")):
-        return ("; it holds checkpoints rather than being one: name one of its step-N folders (to continue a run, "
-                "checkpoint.resume=auto takes the newest valid one of checkpoint.dir)")
+        where = os.path.join(path, "checkpoints") if not any(STEP_DIR.match(n) for n in names) else path
+        return (f"; it holds checkpoints rather than being one: name one of the step-N folders in {where} (to "
+                "continue a run, checkpoint.resume=auto takes the newest valid one of checkpoint.dir)")
     if any(n.endswith(".safetensors") for n in names):
         return (f"; it is a Hugging Face folder: convert it with `pithtrain convert hf-to-dcp {path} OUT` and name "
                 "OUT")

@@ -457,6 +457,8 @@ def dcp_to_hf(ckpt: str, out: str, hf_config: dict | None = None, tokenizer: str
             del state, tensors
         _write_hf_folder_rest(tmp, weight_map, total, hf_config, out_dtype, dtype)
         copied = _copy_files(extra, tmp)
+        if "tokenizer.json" in copied and "tokenizer_config.json" not in copied:
+            copied.append(_tokenizer_config(tmp, hf_config))
         _settle(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -467,6 +469,29 @@ def dcp_to_hf(ckpt: str, out: str, hf_config: dict | None = None, tokenizer: str
     os.replace(tmp, out)
     fsync_path(os.path.dirname(os.path.abspath(out)))
     return {"shards": len(shards), "tensors": len(weight_map), "tokenizer_files": copied}
+
+
+def _tokenizer_config(folder: str, hf_config: dict) -> str:
+    """Write the tokenizer_config.json that a bare tokenizer.json (a corpus's, as training checkpoints
+    hold) lacks: without one, transformers picks the tokenizer class of the model type (Qwen2's for
+    Qwen3-MoE), which replaces the file's pre-tokenizer with its own and encodes text differently.
+    The generic class loads the file as it is; the special tokens are named from the model config."""
+    from tokenizers import Tokenizer
+
+    spec = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    try:
+        tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+    except Exception:  # noqa: BLE001 (the file is copied as given; one transformers cannot read names no tokens)
+        tok = None
+    for key in ("bos", "eos", "pad"):
+        ids = hf_config.get(f"{key}_token_id")
+        ids = ids[0] if isinstance(ids, list) and ids else ids
+        token = tok.id_to_token(ids) if tok is not None and isinstance(ids, int) and ids >= 0 else None
+        if token is not None:
+            spec[f"{key}_token"] = token
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump(spec, f, indent=1)
+    return "tokenizer_config.json"
 
 
 def _write_hf_folder_rest(tmp: str, weight_map: dict, total: int, hf_config: dict, out_dtype: dict,

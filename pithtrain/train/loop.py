@@ -264,7 +264,8 @@ def same_tokenizer(saved: str | None, corpus_tokenizer: str | None, ds: PackedDa
 
 def check_tokenizer_matches(init_from: str, ds: PackedDataset, corpus_tokenizer: str | None) -> None:
     """Weights must meet a corpus made with their tokenizer: the one a converted HF checkpoint comes
-    with, or the one a training checkpoint was trained with (its fingerprint in trainer.json)."""
+    with or a training checkpoint holds, or for a training checkpoint saved before checkpoints held
+    their corpus's tokenizer.json, the fingerprint in its trainer.json."""
     theirs = os.path.join(init_from, "tokenizer.json")
     trainer = os.path.join(init_from, "trainer.json")
     if corpus_tokenizer is not None and not os.path.isfile(theirs) and os.path.isfile(trainer):  # training checkpoint
@@ -523,7 +524,8 @@ def train(cfg: RunConfig) -> dict:
                                 {"data": sampler.state_dict(), "lr": lr, "tokenizer": corpus_tokenizer,
                                  "guard": guard.state_dict(), "run": run, "aux_free": cfg.moe.aux_free,
                                  "param_dtype": cfg.train.param_dtype},
-                                cfg.checkpoint.keep, hf_config=cfg.model.hf)
+                                cfg.checkpoint.keep, hf_config=cfg.model.hf,
+                                tokenizer=train_ds.tokenizer_path if has_tok else None)
                 t_since += time.perf_counter() - t_save  # nor is saving
         except BaseException as e:
             log.close()
