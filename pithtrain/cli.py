@@ -1,8 +1,9 @@
-"""`pithtrain train | build-corpus | convert | demo | memory | bench`: the command line."""
+"""`pithtrain train | eval | build-corpus | convert | demo | memory | bench`: the command line."""
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import sys
@@ -20,6 +21,17 @@ def cmd_train(args) -> int:
     summary = train(cfg)
     if process_rank() == 0:
         print_summary(summary)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from pithtrain.parallel.mesh import process_rank
+    from pithtrain.train.loop import evaluate_checkpoint
+
+    r = evaluate_checkpoint(load_config(args.config, args.overrides), args.checkpoint)
+    if process_rank() == 0:
+        print(f"validation loss of {r['checkpoint']}: {r['val_loss']:.4f} (perplexity {math.exp(min(r['val_loss'], 700)):.2f}; "
+              f"{r['windows']} windows of {r['seq_len']} tokens)")
     return 0
 
 
@@ -178,6 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config", help="run config (TOML)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides (model.FIELD=value for the HF config)")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("eval", help="validation loss of a checkpoint's weights on a run config's corpus, no training")
+    p.add_argument("config", help="run config (TOML): model, data.corpus, data.val_batches, layout")
+    p.add_argument("checkpoint", help="a training checkpoint (step-N folder) or a converted one (convert hf-to-dcp)")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    p.set_defaults(func=cmd_eval)
 
     from pithtrain.train.corpus import add_build_corpus_args
 

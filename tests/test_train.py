@@ -526,3 +526,33 @@ def test_benchmark_steps_train_on_cpu():
     for name, p in after[0].items():
         torch.testing.assert_close(p, after[1][name], rtol=1e-5, atol=1e-6, msg=name)
     assert not torch.allclose(after[0]["lm_head.weight"], after[2]["lm_head.weight"], rtol=1e-3, atol=1e-6)
+
+
+def test_eval_gives_a_checkpoints_validation_loss_without_training(tiny_corpus, tmp_path):
+    """`pithtrain eval` of a step-N checkpoint reads the validation loss training logged at step N,
+    also from the same weights exported to HF and imported back; what cannot be evaluated is named."""
+    from pithtrain.train import hf
+    from pithtrain.train.loop import evaluate_checkpoint
+
+    toml = write_run(tmp_path, tiny_corpus, "[checkpoint]\nevery = 4\n")
+    train(load_config(toml, ["train.steps=4"]))
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        logged = [r["val_loss"] for r in map(json.loads, f) if r["step"] == 4 and r.get("val_loss") is not None]
+    step = checkpoint.latest(str(tmp_path / "run" / "checkpoints"))
+    assert step.endswith("step-00000004") and len(logged) == 1
+    before = sorted(os.listdir(tmp_path / "run"))
+    r = evaluate_checkpoint(load_config(toml, []), step)
+    assert r["val_loss"] == pytest.approx(logged[0], rel=1e-6) and r["windows"] == 8
+    hf.dcp_to_hf(step, str(tmp_path / "hf"))
+    hf.hf_to_dcp(str(tmp_path / "hf"), str(tmp_path / "back"))
+    assert evaluate_checkpoint(load_config(toml, []), str(tmp_path / "back"))["val_loss"] == pytest.approx(logged[0],
+                                                                                                             rel=1e-6)
+    proc = run_cli("eval", toml, step)
+    assert f"validation loss of {step}: {logged[0]:.4f}" in proc.stdout
+    assert sorted(os.listdir(tmp_path / "run")) == before  # nothing written
+    with pytest.raises(ConfigError, match="was trained with moe.aux_free = false: set moe.aux_free=false"):
+        evaluate_checkpoint(load_config(toml, ["moe.aux_free=true"]), step)
+    with pytest.raises(ConfigError, match="data.val_batches = 0"):
+        evaluate_checkpoint(load_config(toml, ["data.val_batches=0"]), step)
+    proc = run_cli("eval", toml, str(tmp_path / "run"), check=False)
+    assert proc.returncode == 2 and "name one of the step-N folders" in proc.stderr and "Traceback" not in proc.stderr
