@@ -39,7 +39,9 @@ def print_summary(s: dict) -> None:
     print(f"run directory: {s['run_dir']}")
     if "train_loss" in s:
         val = "n/a" if s.get("val_loss") is None else f"{s['val_loss']:.4f}"
-        print(f"final train loss: {s['train_loss']:.4f}   validation loss: {val}")
+        last = s.get("preempted_at") or s.get("paused_at") or s["steps"]
+        when = "final" if s.get("logged_step", last) == last else f"last logged (step {s['logged_step']})"
+        print(f"{when} train loss: {s['train_loss']:.4f}   validation loss: {val}")
         print(f"throughput: {s['tokens_per_s']:,.0f} tokens/s (after the first logged interval, which compiles "
               "and warms up, when there are others)")
     if s.get("skipped_steps"):

@@ -226,6 +226,23 @@ def test_bad_file_mid_stream_rolled_back_with_workers(tmp_path, tok_path):
     assert leftovers(tmp_path / "c2") == []
 
 
+def test_the_command_line_names_each_skipped_file_once(tmp_path, tok_path, capsys):
+    import argparse
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{oops\n')
+    good = write_jsonl(tmp_path / "good.jsonl", DOCS)
+    parser = argparse.ArgumentParser()
+    C.add_build_corpus_args(parser)
+    args = parser.parse_args([str(bad), good, "--out", str(tmp_path / "c"), "--tokenizer", tok_path, "--workers", "1"])
+    assert C.run_build_corpus(args) == 2
+    assert "pass --skip-bad-files" in capsys.readouterr().err
+    args.skip_bad_files = True
+    assert C.run_build_corpus(args) == 0
+    listed = [line for line in capsys.readouterr().out.splitlines() if str(bad) in line]
+    assert len(listed) == 1 and listed[0].count(str(bad)) == 1, listed
+
+
 def test_input_and_output_errors(tmp_path, tok_path):
     good = write_jsonl(tmp_path / "good.jsonl", DOCS)
     with pytest.raises(C.CorpusError, match="nothing_here"):

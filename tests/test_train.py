@@ -556,3 +556,16 @@ def test_eval_gives_a_checkpoints_validation_loss_without_training(tiny_corpus, 
         evaluate_checkpoint(load_config(toml, ["data.val_batches=0"]), step)
     proc = run_cli("eval", toml, str(tmp_path / "run"), check=False)
     assert proc.returncode == 2 and "name one of the step-N folders" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_summary_says_which_step_its_train_loss_is_of(capsys):
+    """A run stopped (SIGTERM, stop_at) between logged steps reports the last logged loss as such."""
+    from pithtrain.cli import print_summary
+
+    base = {"run_dir": "r", "steps": 500, "train_loss": 6.7, "val_loss": None, "tokens_per_s": 1.0}
+    print_summary({**base, "logged_step": 15, "preempted_at": 17})
+    print_summary({**base, "logged_step": 17, "preempted_at": 17})
+    print_summary({**base, "logged_step": 20, "paused_at": 20})
+    print_summary({**base, "logged_step": 500})
+    lines = [line for line in capsys.readouterr().out.splitlines() if "train loss" in line]
+    assert [line.split(" train loss")[0] for line in lines] == ["last logged (step 15)", "final", "final", "final"]

@@ -42,7 +42,7 @@ EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end
 DEMO_TEXT_CAP = 24 * 1024 * 1024  # bytes of UTF-8 text demo_texts() returns at most
 DOCS_PER_TASK = 256  # documents per encode_batch call (one worker task)
 CORPUS_FILES = ("meta.json", "tokenizer.json", "train.bin", "val.bin", "train.idx.npy", "val.idx.npy")
-SKIP_HINT = "fix or remove the file, or pass skip_bad_files=True (--skip-bad-files) to skip it"
+SKIP_HINT = "fix or remove the file, or pass --skip-bad-files (build_corpus(skip_bad_files=True)) to skip it"
 
 
 class CorpusError(ValueError):
@@ -692,5 +692,5 @@ def run_build_corpus(args: argparse.Namespace) -> int:
     if meta["skipped"]:
         print(f"  skipped {len(meta['skipped'])} file(s):")
         for s in meta["skipped"]:
-            print(f"    {s['path']}: {s['reason']}")
+            print(f"    {s['reason'] if s['reason'].startswith(s['path']) else s['path'] + ': ' + s['reason']}")
     return 0

@@ -589,6 +589,7 @@ def train(cfg: RunConfig) -> dict:
                "paused_at": paused_at, "skipped_steps": guard.skipped_total}
     if record:
         summary.update(first_loss=first_loss, train_loss=record["loss"], val_loss=record.get("val_loss"),
+                       logged_step=record["step"],
                        tokens_per_s=run_tokens / run_time if run_time else first_tokens / first_time)
     metrics = os.path.join(cfg.log.run_dir, "metrics.jsonl")
     if mesh is not None:
