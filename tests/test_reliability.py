@@ -392,6 +392,7 @@ def test_a_corpus_from_another_tokenizer_is_refused(tiny_corpus, tmp_path):
     import shutil
 
     from pithtrain.train.corpus import build_corpus, demo_texts
+    from pithtrain.train import checkpoint
     from pithtrain.train.loop import train
 
     other = tmp_path / "other"
@@ -406,10 +407,20 @@ def test_a_corpus_from_another_tokenizer_is_refused(tiny_corpus, tmp_path):
         train(load_config(toml, ["train.steps=3", "optim.warmup_steps=1", "checkpoint.resume=auto",
                                  f"data.corpus={other}"]))
     weights = tmp_path / "run" / "checkpoints" / "step-00000002"
-    with pytest.raises(ConfigError, match="was trained on a corpus with another tokenizer"):  # its trainer.json says so
+    with pytest.raises(ConfigError, match="comes with a tokenizer"):  # the corpus's tokenizer.json, which it holds
+        train(load_config(toml, ["train.steps=2", "optim.warmup_steps=1", f"checkpoint.init_from={weights}",
+                                 f"log.run_dir={tmp_path}/fresh", f"data.corpus={other}"]))
+    os.remove(weights / "tokenizer.json")  # as checkpoints were saved before they held it: trainer.json says
+    marker = json.loads((weights / "complete.json").read_text())
+    del marker["files"]["tokenizer.json"]
+    (weights / "complete.json").write_text(json.dumps(marker))
+    with pytest.raises(ConfigError, match="was trained on a corpus with another tokenizer"):
         train(load_config(toml, ["train.steps=2", "optim.warmup_steps=1", f"checkpoint.init_from={weights}",
                                  f"log.run_dir={tmp_path}/fresh", f"data.corpus={other}"]))
     shutil.copy(other / "tokenizer.json", weights / "tokenizer.json")  # as `convert` stores a model's tokenizer
+    marker["files"]["tokenizer.json"] = {"bytes": os.path.getsize(weights / "tokenizer.json"),
+                                         "crc32": checkpoint._crc32(str(weights / "tokenizer.json"))}
+    (weights / "complete.json").write_text(json.dumps(marker))
     with pytest.raises(ConfigError, match="comes with a tokenizer"):
         train(load_config(toml, ["train.steps=2", "optim.warmup_steps=1", f"checkpoint.init_from={weights}",
                                  f"log.run_dir={tmp_path}/fresh"]))
