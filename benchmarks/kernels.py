@@ -179,21 +179,17 @@ def embedding_bench(tokens: int, vocab: int, hidden: int) -> dict:
 
 def ce_bench(rows: int, vocab: int) -> dict:
     """The head's cross-entropy over one chunk of bf16 logits: the log-sum-exp pass and the gradient
-    pass (`ce_forward` + `ce_backward`, as the head runs them) against the two in one persistent
-    kernel (`ce_forward_backward`) at several program counts. GB/s counts one read and one write of
-    the logits: what a kernel that read each row from memory once would move."""
+    pass (`ce_forward` + `ce_backward`, as the head runs them). GB/s counts one read and one write
+    of the logits: what a kernel that read each row from memory once would move (the passes read
+    them twice; one persistent kernel that re-read each row from L2 was slower: docs/performance.md)."""
     from pithtrain.ops import cross_entropy as ce
 
     buf = (torch.randn(rows, vocab, device="cuda") * 4).to(torch.bfloat16)
     labels = torch.randint(0, vocab, (rows,), device="cuda")
     one = torch.ones((), device="cuda")
     nbytes = 2 * buf.nbytes
-    out = {"two_passes_GBps": gbps(nbytes, lambda: ce.ce_backward(buf, ce.ce_forward(buf, labels, -100)[1], labels,
-                                                                   -100, one))}
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for programs in (sms // 2, sms, 2 * sms, 4 * sms):
-        out[f"fused_{programs}_programs_GBps"] = gbps(nbytes, lambda: ce.ce_forward_backward(buf, labels, -100, programs))
-    return out
+    return {"two_passes_GBps": gbps(nbytes, lambda: ce.ce_backward(buf, ce.ce_forward(buf, labels, -100)[1], labels,
+                                                                    -100, one))}
 
 
 def sweep() -> dict:

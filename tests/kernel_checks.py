@@ -187,25 +187,15 @@ def check_cross_entropy_rows(device: str) -> None:
                 assert err < tol, (n, V, dtype, err)
             if n:
                 assert loss[n // 2] == 0 and g[n // 2].abs().sum() == 0
-            one = torch.ones((), device=device)  # the two passes in one kernel, at scale 1, 2 programs for n rows
-            fused, want_g1 = logits.clone(), ce.ce_backward_reference(logits, want_lse, labels, -100, one)
-            fused_loss = ce.ce_forward_backward(fused, labels, -100, programs=2)
-            assert torch.allclose(fused_loss[keep], loss[keep], rtol=1e-6, atol=0) and fused_loss[outside].isnan().all()
-            err = ((fused.float() - want_g1.float()).norm() / want_g1.float().norm().clamp(min=1e-30)).item()
-            assert n == 0 or err < tol, ("fused", n, V, dtype, err)
-    # labels that are a strided view (every other one of a longer tensor), through the fused head
+    # labels that are a strided view (every other one of a longer tensor), through the head
     h = torch.randn(12, 16, device=device, generator=gen, requires_grad=True)
     w = torch.randn(37, 16, device=device, generator=gen, requires_grad=True)
     labels = torch.randint(0, 37, (24,), device=device, generator=gen)[::2]
-    for chunk, fused in ((64, False), (64, True), (5, False)):  # one chunk (fused: gradient in forward), several
-        ce.FUSED_SINGLE, before = fused, ce.FUSED_SINGLE
-        try:
-            got = torch.autograd.grad(ce.linear_cross_entropy(h, w, labels, chunk=chunk) * 0.37, [h, w])
-        finally:
-            ce.FUSED_SINGLE = before
+    for chunk in (64, 5):  # one chunk, several
+        got = torch.autograd.grad(ce.linear_cross_entropy(h, w, labels, chunk=chunk) * 0.37, [h, w])
         want = torch.autograd.grad(ce.linear_cross_entropy_reference(h, w, labels) * 0.37, [h, w])
         for a, b in zip(got, want):
-            assert (a - b).abs().max() < 1e-4, ("strided labels", chunk, fused)
+            assert (a - b).abs().max() < 1e-4, ("strided labels", chunk)
 
 
 def check_embedding(device: str) -> None:
@@ -404,7 +394,7 @@ def run_all(device: str) -> None:
             check_swiglu(device)
         with kernels_run("_scatter_rows_kernel", "_sum_slots_kernel"):
             check_permute(device)
-        with kernels_run("_ce_forward_kernel", "_ce_backward_kernel", "_ce_fused_kernel"):
+        with kernels_run("_ce_forward_kernel", "_ce_backward_kernel"):
             check_cross_entropy_rows(device)
         with kernels_run("_scale_kernel"):
             check_scaled(device)

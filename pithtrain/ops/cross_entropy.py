@@ -28,16 +28,10 @@ are `ce_forward_reference` / `ce_backward_reference`; the torch twin of the whol
 rather than a read outside the row.
 """
 
-import os
-
 import torch
 import torch.nn.functional as F
 
 from pithtrain.ops import triton, use_triton
-
-# PITHTRAIN_CE_FUSED=1: one chunk's loss and gradient in forward by `ce_forward_backward` (one kernel),
-# the incoming scale applied in backward to h before dW and to dh; off until measured faster
-FUSED_SINGLE = os.environ.get("PITHTRAIN_CE_FUSED") == "1"
 
 if triton is not None:
     import triton.language as tl
@@ -89,18 +83,6 @@ if triton is not None:
         row = tl.program_id(0)
         _row_gradient(logits_ptr + row.to(tl.int64) * V, labels_ptr, row, tl.load(lse_ptr + row),
                       tl.load(scale_ptr).to(tl.float32), V, ignore_index, BLOCK)
-
-    @triton.jit
-    def _ce_fused_kernel(logits_ptr, labels_ptr, loss_ptr, n_rows, V, ignore_index, BLOCK: tl.constexpr):
-        # Persistent: program p takes rows p, p + programs, ...; a row is read for its log-sum-exp
-        # and read again for its gradient while it may still be in L2 (programs x one row of bytes).
-        programs = tl.num_programs(0)
-        for i in range(0, tl.cdiv(n_rows, programs)):
-            row = tl.program_id(0).to(tl.int64) + i * programs
-            if row < n_rows:
-                base = logits_ptr + row * V
-                lse = _row_loss(base, labels_ptr, loss_ptr, row, V, ignore_index, BLOCK)
-                _row_gradient(base, labels_ptr, row, lse, tl.full([], 1.0, tl.float32), V, ignore_index, BLOCK)
 
     @triton.jit
     def _scale_kernel(x_ptr, s_ptr, out_ptr, n, BLOCK: tl.constexpr):
@@ -157,27 +139,6 @@ def ce_forward(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int):
     return loss, lse
 
 
-def ce_forward_backward(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int,
-                        programs: int | None = None) -> torch.Tensor:
-    """`ce_forward`'s row losses, and `ce_backward`'s gradient at scale 1 written over `logits` (a
-    contiguous [n, V] buffer), in one kernel of `programs` persistent programs (default: one per
-    multiprocessor), each reading a row twice, the second time while it may still be in L2, where
-    the two passes read it from memory twice. The head uses it under PITHTRAIN_CE_FUSED=1 only,
-    until measured against the two passes (`benchmarks/kernels.py --only ce`)."""
-    if not use_triton(logits) or logits.shape[0] == 0 or not logits.is_contiguous():
-        loss, lse = ce_forward_reference(logits, labels, ignore_index)
-        one = torch.ones((), device=logits.device)
-        logits.copy_(ce_backward_reference(logits, lse, labels, ignore_index, one))
-        return loss
-    n = logits.shape[0]
-    if programs is None:
-        programs = torch.cuda.get_device_properties(logits.device).multi_processor_count if logits.is_cuda else 4
-    loss = torch.empty(n, dtype=torch.float32, device=logits.device)
-    _ce_fused_kernel[(min(programs, n),)](logits, labels.contiguous(), loss, n, logits.shape[1], ignore_index,
-                                          BLOCK=2048, num_warps=8)
-    return loss
-
-
 def ce_backward(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, ignore_index: int,
                 scale: torch.Tensor) -> torch.Tensor:
     """`ce_backward_reference` in one pass, written over `logits` (a contiguous [n, V] buffer)."""
@@ -200,14 +161,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         w = weight.to(dtype)
         ctx.single, ctx.ignore_index, ctx.weight_dtype = h.shape[0] <= chunk, ignore_index, weight.dtype
-        ctx.fused = ctx.single and FUSED_SINGLE and (want_h or want_w)
-        if ctx.fused:  # the gradient at scale 1 now, over the logits; the scale comes in backward
-            hc = h.to(dtype)
-            g = hc @ w.T
-            row_loss = ce_forward_backward(g, labels, ignore_index)
-            ctx.save_for_backward(g, hc, w)
-            ctx.h_dtype = h.dtype
-            return row_loss.sum()
         if ctx.single:  # the gradient pass waits for backward, which brings the scale
             hc = h.to(dtype)
             logits = hc @ w.T
@@ -239,15 +192,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.fused:
-            g, hc, w = ctx.saved_tensors
-            gh = scaled(g @ w, grad, ctx.h_dtype) if ctx.needs_input_grad[0] else None
-            gw = None
-            if ctx.needs_input_grad[1]:
-                hs = scaled(hc, grad, hc.dtype)
-                gw = (torch.mm(g.T, hs, out_dtype=ctx.weight_dtype) if g.is_cuda and g.dtype != ctx.weight_dtype
-                      else (g.T @ hs).to(ctx.weight_dtype))
-            return gh, gw, None, None, None, None
         if not ctx.single:
             grad_h, grad_w = ctx.saved_tensors
             gh = scaled(grad_h, grad, grad_h.dtype) if grad_h is not None else None
