@@ -391,8 +391,8 @@ def test_a_corpus_from_another_tokenizer_is_refused(tiny_corpus, tmp_path):
     named."""
     import shutil
 
-    from pithtrain.train.corpus import build_corpus, demo_texts
     from pithtrain.train import checkpoint
+    from pithtrain.train.corpus import build_corpus, demo_texts
     from pithtrain.train.loop import train
 
     other = tmp_path / "other"
