@@ -30,6 +30,8 @@ def cmd_eval(args) -> int:
 
     r = evaluate_checkpoint(load_config(args.config, args.overrides), args.checkpoint)
     if process_rank() == 0:
+        for note in r["notes"]:
+            print(f"note: {note}")
         print(f"validation loss of {r['checkpoint']}: {r['val_loss']:.4f} (perplexity {math.exp(min(r['val_loss'], 700)):.2f}; "
               f"{r['windows']} windows of {r['seq_len']} tokens)")
     return 0

@@ -220,7 +220,9 @@ def test_cli_convert_and_train_from_converted_weights(tiny_corpus, tmp_path):
     from tokenizers import Tokenizer
     text = "Some  text,   spaced out: 12345 and MORE words!\nA second line."
     corpus_ids = Tokenizer.from_file(os.path.join(tiny_corpus, "tokenizer.json")).encode(text).ids
-    assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "export2"))(text)["input_ids"] == corpus_ids
+    exported = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "export2"))
+    assert exported(text)["input_ids"] == corpus_ids
+    assert exported.eos_token == "<|endoftext|>"  # no eos_token_id in the config: the corpus's end of text
     r = run_cli("convert", "dcp-to-hf", str(tmp_path / "dcp"), str(tmp_path / "export3"), "--config",
                 str(src / "config.json"))
     assert "tokenizer.json" in r.stdout and "tokenizer_config.json" in r.stdout  # the converted DCP's, completed

@@ -29,10 +29,10 @@ FAMILIES = {
 MICRO, GLOBAL, STEPS = 2, 8, 3
 
 
-def torchrun(n: int, toml: str, *overrides: str, check: bool = True) -> subprocess.CompletedProcess:
+def torchrun(n: int, toml: str, *overrides: str, check: bool = True, command: str = "train") -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-                           "-m", "pithtrain", "train", toml, *overrides], capture_output=True, text=True, env=env,
+                           "-m", "pithtrain", command, toml, *overrides], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=600)
     if check and proc.returncode != 0:
         raise AssertionError(f"torchrun -n {n} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -278,6 +278,18 @@ def test_a_stray_launch_environment_is_named(tmp_path, tiny_corpus, monkeypatch)
     monkeypatch.delenv("RANK")
     proc = run_cli("train", family_run(tmp_path, tiny_corpus, "qwen3"), env={"WORLD_SIZE": "2"}, check=False)
     assert proc.returncode == 2 and "unset WORLD_SIZE" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_eval_in_parallel_layouts_equals_one_process(tmp_path, tiny_corpus, reference):
+    """`pithtrain eval` of a single-process checkpoint under ep2 and cp2 reads its loss in one process,
+    and every rank exits 0 (the process groups are destroyed)."""
+    weights = final_checkpoint(reference("qwen3", 2))
+    toml = family_run(tmp_path, tiny_corpus, "qwen3")
+    value = lambda out: float(re.search(r"validation loss of .*: (\S+) \(perplexity", out).group(1))  # noqa: E731
+    one = value(run_cli("eval", toml, weights, f"data.micro_batch_size={MICRO * 2}").stdout)
+    for overrides in (["parallel.ep=2"], ["parallel.cp=2"]):
+        proc = torchrun(2, toml, weights, *overrides, command="eval")
+        assert value(proc.stdout) == pytest.approx(one, abs=2e-4), (overrides, proc.stdout)
 
 
 def test_init_from_single_process_weights_under_ep2(tmp_path, tiny_corpus, reference):

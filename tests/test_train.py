@@ -554,6 +554,8 @@ def test_eval_gives_a_checkpoints_validation_loss_without_training(tiny_corpus, 
         evaluate_checkpoint(load_config(toml, ["moe.aux_free=true"]), step)
     with pytest.raises(ConfigError, match="data.val_batches = 0"):
         evaluate_checkpoint(load_config(toml, ["data.val_batches=0"]), step)
+    notes = evaluate_checkpoint(load_config(toml, ["train.param_dtype=bf16"]), step)["notes"]
+    assert len(notes) == 1 and "trained with train.param_dtype = fp32 and is evaluated in bf16" in notes[0]
     proc = run_cli("eval", toml, str(tmp_path / "run"), check=False)
     assert proc.returncode == 2 and "name one of the step-N folders" in proc.stderr and "Traceback" not in proc.stderr
 

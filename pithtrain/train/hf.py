@@ -475,8 +475,11 @@ def _tokenizer_config(folder: str, hf_config: dict) -> str:
     """Write the tokenizer_config.json that a bare tokenizer.json (a corpus's, as training checkpoints
     hold) lacks: without one, transformers picks the tokenizer class of the model type (Qwen2's for
     Qwen3-MoE), which replaces the file's pre-tokenizer with its own and encodes text differently.
-    The generic class loads the file as it is; the special tokens are named from the model config."""
+    The generic class loads the file as it is; the special tokens are the model config's, and
+    without an eos_token_id there, the end-of-text token build-corpus takes (`find_eos_id`)."""
     from tokenizers import Tokenizer
+
+    from pithtrain.train.corpus import CorpusError, find_eos_id
 
     spec = {"tokenizer_class": "PreTrainedTokenizerFast"}
     try:
@@ -487,6 +490,11 @@ def _tokenizer_config(folder: str, hf_config: dict) -> str:
         ids = hf_config.get(f"{key}_token_id")
         ids = ids[0] if isinstance(ids, list) and ids else ids
         token = tok.id_to_token(ids) if tok is not None and isinstance(ids, int) and ids >= 0 else None
+        if token is None and key == "eos" and tok is not None:
+            try:
+                token = tok.id_to_token(find_eos_id(tok))
+            except CorpusError:
+                pass
         if token is not None:
             spec[f"{key}_token"] = token
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:

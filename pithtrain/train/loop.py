@@ -263,7 +263,7 @@ def same_tokenizer(saved: str | None, corpus_tokenizer: str | None, ds: PackedDa
 
 
 def check_tokenizer_matches(init_from: str, ds: PackedDataset, corpus_tokenizer: str | None,
-                            key: str = "checkpoint.init_from") -> None:
+                            named: str | None = None) -> None:
     """Weights must meet a corpus made with their tokenizer: the one a converted HF checkpoint comes
     with or a training checkpoint holds, or for a training checkpoint saved before checkpoints held
     their corpus's tokenizer.json, the fingerprint in its trainer.json."""
@@ -273,13 +273,15 @@ def check_tokenizer_matches(init_from: str, ds: PackedDataset, corpus_tokenizer:
         with open(trainer) as f:
             saved = json.load(f).get("tokenizer") or corpus_tokenizer
         if not same_tokenizer(saved, corpus_tokenizer, ds):
-            raise ConfigError(f"{key} = {init_from} was trained on a corpus with another tokenizer "
+            raise ConfigError(f"{named or 'checkpoint.init_from = ' + init_from} was trained on a corpus with "
+                              "another tokenizer "
                               f"(fingerprint {saved}) than the one of data.corpus ({ds.tokenizer_path}): its token ids "
                               "would meet other embeddings; use a corpus built with the checkpoint's tokenizer")
     if corpus_tokenizer is None or not os.path.isfile(theirs):
         return
     if tokenizer_fingerprint(theirs) != corpus_tokenizer:
-        raise ConfigError(f"{key} = {init_from} comes with a tokenizer ({theirs}) that differs from "
+        raise ConfigError(f"{named or 'checkpoint.init_from = ' + init_from} comes with a tokenizer ({theirs}) "
+                          "that differs from "
                           f"the one data.corpus was built with ({ds.tokenizer_path}); rebuild the corpus with "
                           f"`pithtrain build-corpus ... --tokenizer {theirs}`")
 
@@ -360,30 +362,42 @@ def evaluate_checkpoint(cfg: RunConfig, path: str) -> dict:
     if not d.val_batches:
         raise ConfigError("data.val_batches = 0: evaluation reads that many global batches of the validation split; "
                           "set data.val_batches=N")
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    if cfg.train.deterministic:
+        set_deterministic()
     device, amp = resolve_device(cfg)
     layout = plan_layout(cfg, world_size())
     train_ds, val_ds = open_data(cfg)
     val_idx = validation_batches(val_ds, d.micro_batch_size * layout.data_ranks, d.global_batch_size, d.val_batches)
     launched = "TORCHELASTIC_RUN_ID" in os.environ or layout.world > 1
     mesh = init_distributed(layout, device.type, cfg.parallel.timeout_s) if launched else None
-    device = mesh.device if mesh is not None else device
-    checkpoint.verify_everywhere(path)
-    check_same_model(path, cfg.model.hf)
-    has_tok = os.path.isfile(train_ds.tokenizer_path)
-    check_tokenizer_matches(path, train_ds, tokenizer_fingerprint(train_ds.tokenizer_path) if has_tok else None,
-                            key="the checkpoint")
-    saved = os.path.join(path, "trainer.json")
-    if os.path.isfile(saved):
-        with open(saved) as f:
-            was = json.load(f).get("aux_free", cfg.moe.aux_free)
-        if was != cfg.moe.aux_free:
-            raise ConfigError(f"{path} was trained with moe.aux_free = {str(was).lower()}: set "
-                              f"moe.aux_free={str(was).lower()} (its routers route with their correction biases)")
-    model = build_for_training(cfg, device, mesh, amp)
-    checkpoint.load_weights(path, model, verified=True)
-    batches = [rank_batches(val_ds, idx, d.micro_batch_size, mesh, d.document_mask) for idx in val_idx]
-    loss = evaluate(model, batches, device, amp, mesh)
-    return {"checkpoint": path, "val_loss": loss, "windows": sum(map(len, val_idx)), "seq_len": d.seq_len}
+    try:  # the process groups end with the evaluation, refused or not (a rank left with them can abort at exit)
+        device = mesh.device if mesh is not None else device
+        checkpoint.verify_everywhere(path)
+        check_same_model(path, cfg.model.hf)
+        has_tok = os.path.isfile(train_ds.tokenizer_path)
+        check_tokenizer_matches(path, train_ds, tokenizer_fingerprint(train_ds.tokenizer_path) if has_tok else None,
+                                named=f"checkpoint {path}")
+        saved, notes = os.path.join(path, "trainer.json"), []
+        if os.path.isfile(saved):
+            with open(saved) as f:
+                state = json.load(f)
+            if (was := state.get("aux_free", cfg.moe.aux_free)) != cfg.moe.aux_free:
+                raise ConfigError(f"{path} was trained with moe.aux_free = {str(was).lower()}: set "
+                                  f"moe.aux_free={str(was).lower()} (its routers route with their correction biases)")
+            if (was := state.get("param_dtype", cfg.train.param_dtype)) != cfg.train.param_dtype:
+                notes.append(f"{path} was trained with train.param_dtype = {was} and is evaluated in "
+                             f"{cfg.train.param_dtype}: set train.param_dtype={was} for the numbers of its training")
+        model = build_for_training(cfg, device, mesh, amp)
+        checkpoint.load_weights(path, model, verified=True)
+        batches = [rank_batches(val_ds, idx, d.micro_batch_size, mesh, d.document_mask) for idx in val_idx]
+        loss = evaluate(model, batches, device, amp, mesh)
+    finally:
+        if mesh is not None:
+            dist.destroy_process_group()
+    return {"checkpoint": path, "val_loss": loss, "windows": sum(map(len, val_idx)), "seq_len": d.seq_len,
+            "notes": notes}
 
 
 def train(cfg: RunConfig) -> dict:
