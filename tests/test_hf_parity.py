@@ -1,6 +1,9 @@
 """Every model family against its `transformers` implementation: the same random weights, fp32,
 the same inputs; logits, loss and every parameter gradient agree to 1e-5 relative."""
 
+import json
+import os
+
 import pytest
 import torch
 
@@ -8,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from pithtrain.models import build_model  # noqa: E402
 from pithtrain.layers.transformer import init_weights  # noqa: E402
-from conftest import DEEPSEEK_V2, DEEPSEEK_V3, GPT_OSS, QWEN3, YARN  # noqa: E402,F401
+from conftest import DEEPSEEK_V2, DEEPSEEK_V3, GPT_OSS, QWEN3, ROOT, YARN  # noqa: E402,F401
 
 CASES = {
     "qwen3": QWEN3,
@@ -27,6 +30,9 @@ CASES = {
     # head_dim and rope_scaling left out: GptOssConfig's defaults (64, YaRN) even with rope_theta given
     "gpt_oss-defaults": {k: v for k, v in GPT_OSS.items() if k not in ("head_dim", "rope_scaling")},
 }
+for _name in ("config", "deepseek_v3", "gpt_oss"):  # the CPU demo configs of examples/demo
+    with open(os.path.join(ROOT, "examples", "demo", f"{_name}.json")) as _f:
+        CASES[f"demo-{_name}"] = json.load(_f)
 HF_CLASS = {"qwen3_moe": "Qwen3Moe", "deepseek_v2": "DeepseekV2", "deepseek_v3": "DeepseekV3", "gpt_oss": "GptOss"}
 
 
