@@ -209,8 +209,9 @@ def finalize_dir(tmp: str, final: str, info: dict) -> None:
 def _what_it_is(path: str) -> str:
     """For a folder without a marker: what it looks like and what to name instead."""
     names = os.listdir(path)
-    if any(STEP_DIR.match(n) for n in names) or os.path.isdir(os.path.join(path, "checkpoints")):
-        where = os.path.join(path, "checkpoints") if not any(STEP_DIR.match(n) for n in names) else path
+    holds_steps = any(STEP_DIR.match(n) for n in names)
+    if holds_steps or os.path.isdir(os.path.join(path, "checkpoints")):
+        where = path if holds_steps else os.path.join(path, "checkpoints")
         return (f"; it holds checkpoints rather than being one: name one of the step-N folders in {where} (to "
                 "continue a run, checkpoint.resume=auto takes the newest valid one of checkpoint.dir)")
     if any(n.endswith(".safetensors") for n in names):

@@ -27,7 +27,7 @@ from pithtrain.layers.transformer import CausalLM, cast_parameters, init_weights
 from pithtrain.models import build_model
 from pithtrain.parallel.context import block_positions, shard_sequence
 from pithtrain.parallel.fsdp import build_parallel
-from pithtrain.parallel.mesh import Mesh, init_distributed, plan_layout, world_size
+from pithtrain.parallel.mesh import Layout, Mesh, init_distributed, plan_layout, world_size
 from pithtrain.tools.memory import check_fits, estimate_for_run
 from pithtrain.train import checkpoint
 from pithtrain.train.graphs import StepGraphs
@@ -354,6 +354,31 @@ def check_graphs(cfg: RunConfig, device_type: str, world: int, launched: bool) -
                           "set train.cuda_graphs=off")
 
 
+def start_process(cfg: RunConfig) -> tuple[torch.device, torch.dtype | None, Layout, bool]:
+    """What `train` and `evaluate_checkpoint` set up first: threads, determinism, the device, the
+    layout, and whether this process runs under torchrun (the sharded path, also for one process)."""
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    if cfg.train.deterministic:
+        set_deterministic()
+    device, amp = resolve_device(cfg)
+    layout = plan_layout(cfg, world_size())
+    return device, amp, layout, "TORCHELASTIC_RUN_ID" in os.environ or layout.world > 1
+
+
+def corpus_fingerprint(ds: PackedDataset) -> str | None:
+    """The fingerprint of the corpus's tokenizer.json; None for a corpus without one."""
+    return tokenizer_fingerprint(ds.tokenizer_path) if os.path.isfile(ds.tokenizer_path) else None
+
+
+def check_aux_free(saved: dict, cfg: RunConfig, path: str) -> None:
+    """A checkpoint trained under the other `moe.aux_free` (recorded in trainer.json) is refused."""
+    if saved.get("aux_free", cfg.moe.aux_free) != cfg.moe.aux_free:  # DeepSeek-V3's routers always hold the bias
+        was = "true" if saved["aux_free"] else "false"
+        raise ConfigError(f"checkpoint {path} was trained with moe.aux_free = {was}: set moe.aux_free={was} "
+                          "as it was (its routers' correction biases are moved only under it)")
+
+
 def evaluate_checkpoint(cfg: RunConfig, path: str) -> dict:
     """`pithtrain eval`: the validation loss of the weights of checkpoint `path` (a training or a
     converted one) on data.corpus's validation split, as validation in training computes it (the
@@ -362,30 +387,20 @@ def evaluate_checkpoint(cfg: RunConfig, path: str) -> dict:
     if not d.val_batches:
         raise ConfigError("data.val_batches = 0: evaluation reads that many global batches of the validation split; "
                           "set data.val_batches=N")
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    if cfg.train.deterministic:
-        set_deterministic()
-    device, amp = resolve_device(cfg)
-    layout = plan_layout(cfg, world_size())
+    device, amp, layout, launched = start_process(cfg)
     train_ds, val_ds = open_data(cfg)
     val_idx = validation_batches(val_ds, d.micro_batch_size * layout.data_ranks, d.global_batch_size, d.val_batches)
-    launched = "TORCHELASTIC_RUN_ID" in os.environ or layout.world > 1
     mesh = init_distributed(layout, device.type, cfg.parallel.timeout_s) if launched else None
     try:  # the process groups end with the evaluation, refused or not (a rank left with them can abort at exit)
         device = mesh.device if mesh is not None else device
         checkpoint.verify_everywhere(path)
         check_same_model(path, cfg.model.hf)
-        has_tok = os.path.isfile(train_ds.tokenizer_path)
-        check_tokenizer_matches(path, train_ds, tokenizer_fingerprint(train_ds.tokenizer_path) if has_tok else None,
-                                named=f"checkpoint {path}")
+        check_tokenizer_matches(path, train_ds, corpus_fingerprint(train_ds), named=f"checkpoint {path}")
         saved, notes = os.path.join(path, "trainer.json"), []
         if os.path.isfile(saved):
             with open(saved) as f:
                 state = json.load(f)
-            if (was := state.get("aux_free", cfg.moe.aux_free)) != cfg.moe.aux_free:
-                raise ConfigError(f"{path} was trained with moe.aux_free = {str(was).lower()}: set "
-                                  f"moe.aux_free={str(was).lower()} (its routers route with their correction biases)")
+            check_aux_free(state, cfg, path)
             if (was := state.get("param_dtype", cfg.train.param_dtype)) != cfg.train.param_dtype:
                 notes.append(f"{path} was trained with train.param_dtype = {was} and is evaluated in "
                              f"{cfg.train.param_dtype}: set train.param_dtype={was} for the numbers of its training")
@@ -402,19 +417,13 @@ def evaluate_checkpoint(cfg: RunConfig, path: str) -> dict:
 
 def train(cfg: RunConfig) -> dict:
     """Run the configured training; return a summary (run dir, losses, throughput, plot path)."""
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    if cfg.train.deterministic:
-        set_deterministic()
-    device, amp = resolve_device(cfg)
-    layout = plan_layout(cfg, world_size())
+    device, amp, layout, launched = start_process(cfg)
     for key, folder in (("log.run_dir", cfg.log.run_dir), ("checkpoint.dir", cfg.checkpoint_dir)):
         if why := unwritable(folder):  # before the data is opened and the model built
             raise ConfigError(f"{key} = {folder}: the run cannot write there ({why}); name another folder")
     train_ds, val_ds = open_data(cfg)
     d = cfg.data
-    has_tok = os.path.isfile(train_ds.tokenizer_path)
-    corpus_tokenizer = tokenizer_fingerprint(train_ds.tokenizer_path) if has_tok else None
+    corpus_tokenizer = corpus_fingerprint(train_ds)
     D = layout.data_ranks
     val_idx = []  # data.val_batches = 0: no validation
     if d.val_batches:
@@ -429,7 +438,6 @@ def train(cfg: RunConfig) -> dict:
         notes.append(f"data.val_batches = {d.val_batches}, but the validation split holds "
                      f"{len(val_ds) // d.global_batch_size} global batches: val_loss uses those")
     sampler = GlobalBatchSampler(len(train_ds), d.global_batch_size, cfg.train.seed, d.seq_len, train_ds.n_tokens)
-    launched = "TORCHELASTIC_RUN_ID" in os.environ or layout.world > 1  # under torchrun: the sharded path
     check_graphs(cfg, device.type, layout.world, launched)
     mesh = init_distributed(layout, device.type, cfg.parallel.timeout_s) if launched else None
     device = mesh.device if mesh is not None else device
@@ -469,10 +477,7 @@ def train(cfg: RunConfig) -> dict:
                               f"{state['tokenizer']}) than data.corpus = {d.corpus} ({corpus_tokenizer}); resume "
                               "with the corpus it was trained on")
         start = state["step"]
-        if state.get("aux_free", cfg.moe.aux_free) != cfg.moe.aux_free:  # DeepSeek-V3's routers always hold the bias
-            was = "true" if state["aux_free"] else "false"
-            raise ConfigError(f"checkpoint {path} was trained with moe.aux_free = {was}: set moe.aux_free={was} "
-                              "as it was (its routers' correction biases are moved only under it)")
+        check_aux_free(state, cfg, path)
         if state.get("param_dtype", cfg.train.param_dtype) != cfg.train.param_dtype:
             notes.append(f"train.param_dtype changed from {state['param_dtype']} to {cfg.train.param_dtype}: the "
                          "checkpoint's weights and AdamW moments were converted to it")
@@ -574,7 +579,7 @@ def train(cfg: RunConfig) -> dict:
                                  "guard": guard.state_dict(), "run": run, "aux_free": cfg.moe.aux_free,
                                  "param_dtype": cfg.train.param_dtype},
                                 cfg.checkpoint.keep, hf_config=cfg.model.hf,
-                                tokenizer=train_ds.tokenizer_path if has_tok else None)
+                                tokenizer=train_ds.tokenizer_path if corpus_tokenizer is not None else None)
                 t_since += time.perf_counter() - t_save  # nor is saving
         except BaseException as e:
             log.close()
