@@ -450,6 +450,11 @@ def test_resume_refuses_another_seq_len_or_model_and_notes_another_global_batch(
     with pytest.raises(ConfigError, match=r"another model config \(rms_norm_eps: 1e-06 there, 0.001 now\)"):
         train(load_config(toml, ["train.steps=3", "optim.warmup_steps=1", "checkpoint.resume=auto",
                                  "model.rms_norm_eps=0.001"]))  # same shapes, other maths
+    capsys.readouterr()  # a new run from those weights may change the maths (a longer RoPE, ...): said, not refused
+    train(load_config(toml, ["train.steps=1", "optim.warmup_steps=1", "model.rms_norm_eps=0.001",
+                             f"checkpoint.init_from={tmp_path}/run/checkpoints/step-00000002", f"log.run_dir={tmp_path}/i"]))
+    assert ("was saved with another model config (rms_norm_eps: 1e-06 there, 0.001 now): its weights train under "
+            "this run's") in capsys.readouterr().out
     model_json = tmp_path / "config.json"  # the model's config re-saved: only the file's metadata differs
     model_json.write_text(json.dumps({**json.loads(model_json.read_text()), "transformers_version": "9.9.9",
                                       "architectures": ["Qwen3MoeForCausalLM"], "use_cache": False}))

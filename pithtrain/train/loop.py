@@ -321,22 +321,29 @@ def of_this_run(path: str, ckpt_dir: str) -> bool:
 CONFIG_METADATA = {"transformers_version", "_name_or_path", "architectures", "torch_dtype", "dtype", "use_cache"}
 
 
-def check_same_model(path: str, hf: dict) -> None:
-    """A resume continues the model it was saved with: any field of the stored config.json that
-    differs (top-k, rope_theta, eps, ... change the maths without changing a tensor shape) is an
-    error, except the file's metadata (`CONFIG_METADATA`)."""
-    if not os.path.isfile(os.path.join(path, "config.json")):  # checkpoints of earlier versions
-        return
+def model_config_diff(path: str, hf: dict) -> list[str]:
+    """Each field of checkpoint `path`'s stored config.json that differs from `hf` (top-k, rope_theta,
+    eps, ... change the maths without changing a tensor shape), the file's metadata
+    (`CONFIG_METADATA`) aside; none for checkpoints of earlier versions, which store no config."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return []
     saved, now = read_hf_config(path), json.loads(json.dumps(hf))
     missing = object()
     keys = sorted((saved.keys() | now.keys()) - CONFIG_METADATA)
-    diff = [f"{k}: {saved.get(k, '(unset)')!r} there, {now.get(k, '(unset)')!r} now"
+    return [f"{k}: {saved.get(k, '(unset)')!r} there, {now.get(k, '(unset)')!r} now"
             for k in keys if saved.get(k, missing) != now.get(k, missing)]
-    if diff:
-        raise ConfigError(f"checkpoint {path} was saved with another model config ({'; '.join(diff[:8])}"
-                          f"{'; ...' if len(diff) > 8 else ''}): resume with the model settings it was saved with "
-                          "(its config.json), or, where its tensors fit the new config, start a new run from its weights "
-                          "with checkpoint.init_from")
+
+
+def _listed(diff: list[str]) -> str:
+    return "; ".join(diff[:8]) + ("; ..." if len(diff) > 8 else "")
+
+
+def check_same_model(path: str, hf: dict) -> None:
+    """A resume continues the model it was saved with: any differing field is an error."""
+    if diff := model_config_diff(path, hf):
+        raise ConfigError(f"checkpoint {path} was saved with another model config ({_listed(diff)}): resume with the "
+                          "model settings it was saved with (its config.json), or, where its tensors fit the new "
+                          "config, start a new run from its weights with checkpoint.init_from")
 
 
 def save_run_config(cfg: RunConfig) -> None:
@@ -502,6 +509,9 @@ def train(cfg: RunConfig) -> dict:
         checkpoint.verify_everywhere(cfg.checkpoint.init_from)  # before its trainer.json is read
         check_tokenizer_matches(cfg.checkpoint.init_from, train_ds, corpus_tokenizer)
         checkpoint.load_weights(cfg.checkpoint.init_from, model, verified=True)
+        if diff := model_config_diff(cfg.checkpoint.init_from, cfg.model.hf):  # allowed (e.g. a longer RoPE), said
+            notes.append(f"checkpoint.init_from {cfg.checkpoint.init_from} was saved with another model config "
+                         f"({_listed(diff)}): its weights train under this run's")
     if rank0:  # once every check has passed: a refused command writes nothing
         save_run_config(cfg)
     log = RunLog(cfg.log.run_dir, cfg.train.steps, start, progress=cfg.log.progress,
