@@ -230,6 +230,13 @@ def test_cli_convert_and_train_from_converted_weights(tiny_corpus, tmp_path):
     run_cli("convert", "hf-to-dcp", str(src), str(tmp_path / "bare"))
     r = run_cli("convert", "dcp-to-hf", str(tmp_path / "bare"), str(tmp_path / "export4"))
     assert "no tokenizer files in" in r.stderr and "pass --tokenizer" in r.stderr
+    assert "never stop" not in r.stderr
+    shrunk = tmp_path / "shrunk.json"  # a full-size config's special ids kept when its vocab_size was shrunk
+    shrunk.write_text(json.dumps({**json.loads(open(os.path.join(step, "config.json")).read()),
+                                  "eos_token_id": [3, 151645], "bos_token_id": 99999}))
+    r = run_cli("convert", "dcp-to-hf", step, str(tmp_path / "export5"), "--config", str(shrunk))
+    assert ("bos_token_id = 99999 (vocab_size 512), eos_token_id = 151645 (vocab_size 512): no token of the "
+            "vocabulary") in r.stderr, r.stderr
 
 
 def test_deepseek_v3_prediction_layers_are_ignored_on_import(tmp_path):

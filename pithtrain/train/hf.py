@@ -468,7 +468,21 @@ def dcp_to_hf(ckpt: str, out: str, hf_config: dict | None = None, tokenizer: str
     fsync_path(tmp)
     os.replace(tmp, out)
     fsync_path(os.path.dirname(os.path.abspath(out)))
-    return {"shards": len(shards), "tensors": len(weight_map), "tokenizer_files": copied}
+    return {"shards": len(shards), "tensors": len(weight_map), "tokenizer_files": copied,
+            "outside_vocab": _special_ids_outside(hf_config)}
+
+
+def _special_ids_outside(hf_config: dict) -> list[str]:
+    """The bos / eos token ids of `hf_config` that name no row of its vocabulary (a full-size config
+    whose vocab_size was shrunk keeps its published ids): transformers would never emit or stop on
+    them. Training reads neither (the corpus has its own end-of-text), so they are said, not refused."""
+    vocab, found = hf_config.get("vocab_size"), []
+    for key in ("bos_token_id", "eos_token_id"):
+        ids = hf_config.get(key)
+        for i in ids if isinstance(ids, list) else [ids]:
+            if isinstance(i, int) and isinstance(vocab, int) and not 0 <= i < vocab:
+                found.append(f"{key} = {i} (vocab_size {vocab})")
+    return found
 
 
 def _tokenizer_config(folder: str, hf_config: dict) -> str:
