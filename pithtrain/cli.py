@@ -111,9 +111,9 @@ def cmd_convert(args) -> int:
                             max_shard_bytes=parse_size(args.max_shard_size or "5GB"))
         print(f"wrote {info['tensors']} tensors in {info['shards']} shards to {args.out}")
         if info["outside_vocab"]:
-            print(f"{args.out}/config.json: {', '.join(info['outside_vocab'])}: no token of the vocabulary, so "
-                  "generation would never stop on it; train with model.eos_token_id / model.bos_token_id set to "
-                  "the tokenizer's ids, or edit that file", file=sys.stderr)
+            print(f"{args.out}/config.json: {', '.join(info['outside_vocab'])}: no token of the vocabulary (a "
+                  "generation can neither start with nor stop on such an id); train with model.eos_token_id / "
+                  "model.bos_token_id set to the tokenizer's ids, or edit that file", file=sys.stderr)
     if info["tokenizer_files"]:
         print(f"taken along: {', '.join(info['tokenizer_files'])}")
     if not set(info["tokenizer_files"]) & set(hf.TOKENIZER_FILES):
