@@ -145,8 +145,17 @@ def cmd_demo(args) -> int:
         print(f"  {meta['splits']['train']['tokens']:,} train / {meta['splits']['val']['tokens']:,} "
               f"validation tokens", flush=True)
     # its own output: each demo starts afresh; a log.run_dir of the user's is theirs, refused as `train`
-    # refuses a run directory that holds a run
-    if cfg.log.run_dir == os.path.abspath(run_dir) and os.path.exists(run_dir):
+    # refuses a run directory that holds a run. Kept when asked to resume it; never removed when it
+    # is not a demo run or holds the weights named by checkpoint.init_from
+    if (cfg.log.run_dir == os.path.abspath(run_dir) and os.path.lexists(run_dir)
+            and cfg.checkpoint.resume == "none"):
+        init = cfg.checkpoint.init_from and os.path.abspath(cfg.checkpoint.init_from)
+        if os.path.islink(run_dir) or not os.path.isfile(os.path.join(run_dir, "run_config.json")):
+            raise ConfigError(f"{run_dir} is not a demo run (no run_config.json) and the demo would replace it: "
+                              "move it, or pass --work-dir or log.run_dir")
+        if init and os.path.commonpath([init, os.path.abspath(run_dir)]) == os.path.abspath(run_dir):
+            raise ConfigError(f"checkpoint.init_from {cfg.checkpoint.init_from} lies in the previous demo run, which "
+                              "the demo replaces: copy it elsewhere first, or resume with checkpoint.resume=auto")
         print(f"removing the previous demo run {run_dir}", flush=True)
         shutil.rmtree(run_dir)
     print_summary(train(cfg))

@@ -26,6 +26,18 @@ def test_demo_short(tmp_path):
     assert "removing the previous demo run" in again
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         assert [json.loads(line)["step"] for line in f] == [2]  # log.every = 10: only the last step
+    # asked to resume it, the demo keeps its run; asked to start from its weights, or over a folder
+    # that is not a demo run, it refuses before removing anything
+    resumed = run_cli("demo", "--work-dir", str(tmp_path), "train.steps=3", "optim.warmup_steps=1",
+                      "checkpoint.resume=auto", "log.progress=false").stdout
+    assert "removing" not in resumed and "resumed from" in resumed, resumed
+    step3 = os.path.join(run_dir, "checkpoints", "step-00000003")
+    proc = run_cli("demo", "--work-dir", str(tmp_path), f"checkpoint.init_from={step3}", check=False)
+    assert proc.returncode == 2 and "lies in the previous demo run" in proc.stderr and os.path.isdir(step3)
+    os.rename(os.path.join(run_dir, "run_config.json"), os.path.join(run_dir, "notes.txt"))
+    proc = run_cli("demo", "--work-dir", str(tmp_path), check=False)
+    assert proc.returncode == 2 and "is not a demo run" in proc.stderr and os.path.isdir(step3), proc.stderr
+    os.rename(os.path.join(run_dir, "notes.txt"), os.path.join(run_dir, "run_config.json"))
     # a run directory of the user's is not the demo's own: neither it nor the demo's is removed
     mine = ["demo", "--work-dir", str(tmp_path), "train.steps=1", "optim.warmup_steps=1", "log.progress=false",
             f"log.run_dir={tmp_path}/mine"]
