@@ -231,6 +231,10 @@ def test_cli_convert_and_train_from_converted_weights(tiny_corpus, tmp_path):
     r = run_cli("convert", "dcp-to-hf", str(tmp_path / "bare"), str(tmp_path / "export4"))
     assert "no tokenizer files in" in r.stderr and "pass --tokenizer" in r.stderr
     assert "no token of the vocabulary" not in r.stderr
+    for bad in ("", str(tmp_path / "new") + "/."):  # an unset $OUT: refused before anything is written
+        r = run_cli("convert", "dcp-to-hf", step, bad, check=False)
+        assert r.returncode == 2 and "names no new folder" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".partial-")]
     shrunk = tmp_path / "shrunk.json"  # a full-size config's special ids kept when its vocab_size was shrunk
     shrunk.write_text(json.dumps({**json.loads(open(os.path.join(step, "config.json")).read()),
                                   "eos_token_id": [3, 151645], "bos_token_id": 99999}))

@@ -310,6 +310,9 @@ def _settle(folder: str) -> None:
 
 def _fresh_output(out: str) -> str:
     """A new temporary folder beside `out` (its own name, so two conversions never share one)."""
+    if os.path.basename(out.rstrip("/")) in ("", ".", ".."):  # an unset $OUT: no folder of that name can be made
+        raise CheckpointError(f"output {out!r} names no new folder; give a path such as runs/export (nothing was "
+                              "written)")
     if os.path.exists(out):
         raise CheckpointError(f"{out} already exists; choose a new output directory (nothing was written)")
     if why := unwritable(out):
